@@ -1,0 +1,34 @@
+# Set-up is idempotent: each target creates .venv when missing or when pyproject.toml changed.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# CPU build of torch where no GPU is present (the wheel on this machine's disk; elsewhere add
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu). GPU users: make setup TORCH_SPEC=... TORCH_INDEX=...
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+
+.PHONY: setup demo test test-all bench clean
+
+setup: $(VENV)/.stamp
+
+$(VENV)/.stamp: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_INDEX_ARG) "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+demo: setup          ## the main job on its built-in default (small GPT on stdlib docstrings, 2 processes)
+	$(BIN)/phalanx train --nproc-per-node 2
+
+test: setup          ## the test suite CI runs (slow-marked tests excluded)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: setup      ## every test, slow ones included
+	$(BIN)/python -m pytest -q
+
+bench: setup         ## foundation benchmark: phalanx vs a plain DDP loop
+	$(BIN)/python bench/vs_plain_ddp.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

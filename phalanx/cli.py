@@ -1,0 +1,132 @@
+"""Command-line interface: argument parsing and subcommand dispatch only."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from .config import ConfigError
+
+# Subcommands implemented in their own modules: each has add_arguments(parser) and run(args) -> int.
+EXTRA_COMMANDS = {"report": "phalanx.report", "bench": "phalanx.bench", "doctor": "phalanx.doctor",
+                  "predict": "phalanx.tasks.classify"}
+
+
+def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    config, overrides = None, []
+    for item in items:
+        if "=" in item or config is not None:
+            overrides.append(item)
+        else:
+            config = item
+    return config, overrides
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]",
+                   help="a YAML config (default: the built-in one) and dotted overrides such as train.lr=3e-4")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="worker processes on this node")
+    p.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX for elastic membership")
+    p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous (multi-node)")
+    p.add_argument("--rdzv-id", default="", help="job id shared by all nodes of a run (multi-node)")
+    p.add_argument("--run-dir", default=None, help="run folder (default runs/<name>)")
+    p.add_argument("--max-restarts", type=int, default=0, help="elastic restarts after a worker failure")
+    p.add_argument("--resume", default=None, metavar="PATH", help="resume from this checkpoint folder")
+    p.add_argument("--fresh", action="store_true", help="start over; the old run folder is moved aside")
+    p.add_argument("--force-resume", action="store_true",
+                   help="resume even if training-relevant settings changed")
+
+
+def cmd_train(args) -> int:
+    from . import dist
+    from .config import load_config
+    from .launch import launch, run_as_worker
+
+    config, overrides = _split_config_and_overrides(args.items)
+    if args.run_dir:
+        overrides.append(f"run_dir={args.run_dir}")
+    if args.resume:
+        if not Path(args.resume).is_dir():
+            raise ConfigError(f"--resume: checkpoint folder '{args.resume}' not found")
+        overrides.append(f"resume={args.resume}")
+    if args.fresh:
+        overrides.append("resume=auto")
+    cfg = load_config(config, overrides)
+    launcher_flags = args.nnodes != "1" or args.rdzv_endpoint
+    if dist.under_torchrun() or (dist.under_srun() and not launcher_flags):
+        return run_as_worker(cfg)
+    return launch(cfg, args.nproc_per_node, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+                  rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, fresh=args.fresh,
+                  force_resume=args.force_resume)
+
+
+def cmd_config(args) -> int:
+    import yaml
+
+    from .config import describe, load_config, to_dict
+
+    if args.show:
+        print("\n".join(describe()).lstrip())
+        return 0
+    config, overrides = _split_config_and_overrides(args.items)
+    print(yaml.safe_dump(to_dict(load_config(config, overrides)), sort_keys=False), end="")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .tasks.lm import generate
+
+    if not (Path(args.run) / "final").is_dir():
+        raise ConfigError(f"run '{args.run}': no final/ model (has the run finished?)")
+    print(generate(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="phalanx", description="Distributed data-parallel NLP training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train (launches workers through torch.distributed.run)")
+    add_train_arguments(p)
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("config", help="print the resolved config, or every field with its doc (--show)")
+    p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]")
+    p.add_argument("--show", action="store_true", help="list every config key with type, default and doc")
+    p.set_defaults(func=cmd_config)
+    p = sub.add_parser("generate", help="sample text from a trained language model (RUN/final)")
+    p.add_argument("run", help="run folder")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+    for name, module in EXTRA_COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        if not hasattr(mod, "add_arguments"):
+            continue
+        p = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    # key=value overrides may come after flags (argparse stops filling `items` at the first flag)
+    stray = [r for r in rest if r.startswith("-")]
+    if stray or (rest and not hasattr(args, "items")):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:
+        args.items = list(args.items) + rest
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"phalanx: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

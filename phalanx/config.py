@@ -1,0 +1,350 @@
+"""Typed config schema, YAML loading, dotted overrides and validation.
+
+Every field carries its documentation in `metadata["help"]`; `phalanx config --show` prints it.
+Errors are `ConfigError`: one line that names the key or file and what was expected.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad user input: the CLI prints it on one line and exits with code 2."""
+
+
+def _f(default, help: str, *, min=None, max=None, choices=None, path=False, factory=None):
+    meta = {"help": help, "min": min, "max": max, "choices": choices, "path": path}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class DataConfig:
+    train: str = _f("", "training data: a file (.txt, .jsonl, .json, .csv, .parquet), a folder of them, "
+                    "or 'hf:NAME[:CONFIG]' for a Hugging Face hub dataset; empty = built-in corpus "
+                    "(Python standard-library docstrings, offline)", path=True)
+    validation: str = _f("", "validation data (same forms as data.train); empty = hold out "
+                         "data.val_fraction of the training data", path=True)
+    val_fraction: float = _f(0.05, "fraction of the training data held out for validation when "
+                             "data.validation is empty", min=0.0, max=0.5)
+    format: str = _f("auto", "file format; auto = from the file extension",
+                     choices=["auto", "text", "jsonl", "csv", "parquet"])
+    text_field: str = _f("text", "field holding the text in JSONL/CSV/Parquet/hub data")
+    text_pair_field: str = _f("", "classify: second text field for sentence pairs (e.g. hypothesis)")
+    label_field: str = _f("label", "classify: field holding the label (int or string)")
+    labels: list = _f(None, "classify: label names in class-id order; empty = discovered from the "
+                      "training split (sorted)", factory=list)
+    tokenizer: str = _f("", "tokenizer: a local folder with a Hugging Face tokenizer, or 'hf:NAME'; "
+                        "empty = train a byte-level BPE (lm) or WordPiece (classify) tokenizer on the "
+                        "training text", path=True)
+    vocab_size: int = _f(4096, "vocabulary size of a tokenizer trained on the data", min=256, max=1_000_000)
+    max_length: int = _f(128, "classify: truncate sequences to this many tokens", min=8, max=65536)
+    group_by_length: bool = _f(True, "classify: form batches of similar length (less padding)")
+    cache_dir: str = _f("", "token cache folder; empty = $XDG_CACHE_HOME/phalanx or ~/.cache/phalanx")
+
+
+@dataclass
+class ModelConfig:
+    arch: str = _f("gpt2", "architecture of a model built from scratch",
+                   choices=["gpt2", "llama", "bert", "roberta", "distilbert"])
+    pretrained: str = _f("", "start from a pretrained model: a local folder or 'hf:NAME'; "
+                         "empty = random init from the fields below", path=True)
+    n_layer: int = _f(4, "transformer blocks", min=1, max=512)
+    n_head: int = _f(4, "attention heads", min=1, max=512)
+    n_embd: int = _f(256, "hidden width (divisible by n_head)", min=8, max=65536)
+    block_size: int = _f(128, "lm: tokens per training sequence (context length)", min=8, max=1_000_000)
+    dropout: float = _f(0.0, "dropout probability (masks are seeded per micro-batch, so runs stay "
+                        "identical across world sizes)", min=0.0, max=0.9)
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = _f(32, "sequences per optimizer step, over all processes", min=1)
+    micro_batch_size: int = _f(8, "sequences per process per forward pass", min=1)
+    max_steps: int = _f(300, "optimizer steps to train for", min=1)
+    lr: float = _f(1e-3, "peak learning rate (AdamW)", min=0.0, max=10.0)
+    min_lr_ratio: float = _f(0.1, "cosine decay ends at lr * min_lr_ratio", min=0.0, max=1.0)
+    warmup_steps: int = _f(30, "linear warm-up steps before cosine decay", min=0)
+    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only; not biases or norms)", min=0.0)
+    beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
+    beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)", min=0.0)
+    seed: int = _f(1337, "seed for init, data order and dropout", min=0)
+    log_every: int = _f(10, "optimizer steps between metric lines", min=1)
+    eval_every: int = _f(100, "optimizer steps between evaluations (0 = only at the end)", min=0)
+    eval_max_samples: int = _f(0, "evaluate on the first N validation samples (0 = all)", min=0)
+    checkpoint_every: int = _f(0, "optimizer steps between checkpoints (0 = only at the end)", min=0)
+    checkpoint_every_minutes: float = _f(0.0, "also checkpoint when this many minutes passed (0 = off)",
+                                         min=0.0)
+    keep_checkpoints: int = _f(2, "complete checkpoints to keep", min=1)
+    precision: str = _f("fp32", "autocast precision; auto = bf16 where the hardware runs it natively",
+                        choices=["auto", "fp32", "bf16", "fp16"])
+    compile: bool = _f(False, "torch.compile the model (the uncompiled model is saved)")
+    strategy: str = _f("ddp", "data parallel strategy", choices=["ddp", "fsdp"])
+    nan_policy: str = _f("skip", "on a non-finite loss or gradient norm: skip the step or stop",
+                         choices=["skip", "stop"])
+    max_nan_skips: int = _f(5, "stop after this many consecutive skipped steps", min=1)
+
+
+@dataclass
+class DistConfig:
+    backend: str = _f("auto", "process group backend; auto = nccl with CUDA, else gloo",
+                      choices=["auto", "gloo", "nccl", "mpi"])
+    threads_per_worker: int = _f(0, "CPU threads per process; 0 = available cores / local processes",
+                                 min=0)
+    startup_timeout_s: float = _f(300.0, "seconds allowed for start-up collectives", min=1.0)
+    timeout_s: float = _f(600.0, "seconds a training step may make no progress before the hang "
+                          "watchdog dumps stacks and stops the job", min=1.0)
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = _f(False, "also write TensorBoard events to RUN/tensorboard")
+    wandb_project: str = _f("", "also log to this Weights & Biases project (needs the wandb extra)")
+    mlflow_experiment: str = _f("", "also log to this MLflow experiment (needs the mlflow extra)")
+    progress: str = _f("auto", "progress bar on rank 0: auto = only on an interactive terminal",
+                       choices=["auto", "bar", "lines", "off"])
+
+
+@dataclass
+class DebugConfig:
+    fault: str = _f("", "test-only fault injection, e.g. 'kill:rank=1:step=5', 'raise:rank=0:step=3', "
+                    "'sleep:rank=1:step=3:seconds=60', 'nan:step=4' (attempt=N limits it to one "
+                    "elastic attempt, default 0)")
+
+
+@dataclass
+class Config:
+    task: str = _f("lm", "what to train", choices=["lm", "classify"])
+    name: str = _f("", "run name; default = the config file name, or 'default'")
+    run_dir: str = _f("", "run folder; default = runs/<name>")
+    resume: str = _f("auto", "auto = continue from the run folder's latest checkpoint if there is one; "
+                     "never = start from scratch; or a checkpoint folder to start from")
+    data: DataConfig = _f(None, "data sources and tokenization", factory=DataConfig)
+    model: ModelConfig = _f(None, "model architecture or pretrained weights", factory=ModelConfig)
+    train: TrainConfig = _f(None, "optimisation, batch, schedule and checkpoints", factory=TrainConfig)
+    dist: DistConfig = _f(None, "distributed settings", factory=DistConfig)
+    log: LogConfig = _f(None, "logging sinks and progress display", factory=LogConfig)
+    debug: DebugConfig = _f(None, "test-only hooks", factory=DebugConfig)
+
+
+# Fields that change the training trajectory: a checkpoint is only resumed if these match.
+TRAINING_RELEVANT = ("task", "data.train", "data.validation", "data.val_fraction", "data.format",
+                     "data.text_field", "data.text_pair_field", "data.label_field", "data.labels",
+                     "data.tokenizer", "data.vocab_size", "data.max_length", "data.group_by_length",
+                     "model", "train.global_batch_size", "train.lr", "train.min_lr_ratio",
+                     "train.warmup_steps", "train.weight_decay", "train.beta1", "train.beta2",
+                     "train.grad_clip", "train.seed")
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp, key: str):
+    """Check `value` against the annotated type; ints are accepted for floats."""
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads '3e-4' (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif tp is list:
+        if isinstance(value, list):
+            return [str(v) for v in value]
+        if isinstance(value, str):
+            return [v for v in value.split(",") if v]
+    shown = type(value).__name__ if value is not None else "nothing"
+    raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {shown} ({value!r})")
+
+
+def _build(cls, raw: dict, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': expected a mapping, "
+                          f"got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise ConfigError(f"unknown config key '{prefix}{key}' (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        tp, key = hints[f.name], prefix + f.name
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, raw[f.name] if raw[f.name] is not None else {}, key + ".")
+        else:
+            kwargs[f.name] = _coerce(raw[f.name], tp, key)
+    return cls(**kwargs)
+
+
+def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{dotted}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected key=value, e.g. train.lr=3e-4")
+    key, _, value = text.partition("=")
+    try:
+        parsed = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{path}' not found")
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        reason = str(e).replace("\n", " ")
+        raise ConfigError(f"config file '{path}': not valid YAML ({reason})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file '{path}': expected a mapping at the top level")
+    return raw
+
+
+def load_config(path: str | None = None, overrides: list[str] = (), *, check_paths: bool = True) -> Config:
+    """Load YAML (or the built-in default when `path` is None), apply overrides, validate."""
+    raw = read_yaml(path) if path else {}
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    cfg = _build(Config, raw, "")
+    if not cfg.name:
+        cfg.name = Path(path).stem if path else "default"
+    if not cfg.run_dir:
+        cfg.run_dir = str(Path("runs") / cfg.name)
+    validate(cfg, check_paths=check_paths)
+    return cfg
+
+
+def _walk(cfg, prefix=""):
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _walk(value, prefix + f.name + ".")
+        else:
+            yield prefix + f.name, f, value
+
+
+def _check_path(key: str, value: str) -> None:
+    if not value or value.startswith("hf:"):
+        return
+    if not Path(value).exists():
+        raise ConfigError(f"config key '{key}': file or folder '{value}' not found "
+                          f"(use 'hf:NAME' for a hub name)")
+
+
+def validate(cfg: Config, *, check_paths: bool = True) -> None:
+    for key, f, value in _walk(cfg):
+        meta = f.metadata
+        if meta.get("choices") and value not in meta["choices"]:
+            raise ConfigError(f"config key '{key}': expected one of {meta['choices']}, got {value!r}")
+        if meta.get("min") is not None and value < meta["min"]:
+            raise ConfigError(f"config key '{key}': must be >= {meta['min']}, got {value}")
+        if meta.get("max") is not None and value > meta["max"]:
+            raise ConfigError(f"config key '{key}': must be <= {meta['max']}, got {value}")
+        if meta.get("path") and check_paths:
+            _check_path(key, value)
+    m, t = cfg.model, cfg.train
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"config key 'model.n_embd': {m.n_embd} is not divisible by model.n_head={m.n_head}")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(f"config key 'train.global_batch_size': {t.global_batch_size} is not a multiple "
+                          f"of train.micro_batch_size={t.micro_batch_size}")
+    if cfg.task == "lm" and m.arch not in ("gpt2", "llama"):
+        raise ConfigError(f"config key 'model.arch': task 'lm' needs gpt2 or llama, got {m.arch!r}")
+    if cfg.task == "classify" and m.arch not in ("bert", "roberta", "distilbert"):
+        raise ConfigError(f"config key 'model.arch': task 'classify' needs bert, roberta or distilbert, "
+                          f"got {m.arch!r}")
+    if cfg.debug.fault:
+        from .faults import parse_fault  # local: faults is a leaf module, only needed for validation
+        parse_fault(cfg.debug.fault)
+
+
+def check_world(cfg: Config, world_size: int) -> int:
+    """Gradient accumulation steps for this world size, or a ConfigError naming the fields."""
+    t = cfg.train
+    per_step = t.micro_batch_size * world_size
+    if t.global_batch_size % per_step:
+        raise ConfigError(f"config key 'train.global_batch_size': {t.global_batch_size} is not divisible by "
+                          f"micro_batch_size ({t.micro_batch_size}) x world size ({world_size}) = {per_step}")
+    return t.global_batch_size // per_step
+
+
+def save_yaml(cfg: Config, path: str | os.PathLike) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    os.replace(tmp, p)
+
+
+def relevant_subset(cfg: Config) -> dict:
+    flat = {}
+    for key, _, value in _walk(cfg):
+        if any(key == k or key.startswith(k + ".") for k in TRAINING_RELEVANT):
+            flat[key] = value
+    return flat
+
+
+def config_hash(cfg: Config) -> str:
+    blob = json.dumps(relevant_subset(cfg), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def describe(cls=Config, prefix: str = "") -> list[str]:
+    """One line per field: dotted key, type, default and doc (feeds `phalanx config --show`)."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"\n[{prefix}{f.name}]  {f.metadata['help']}")
+            lines.extend(describe(tp, prefix + f.name + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        extra = f"  one of {f.metadata['choices']}" if f.metadata.get("choices") else ""
+        lines.append(f"  {prefix}{f.name} ({_type_name(tp)}, default {default!r}): {f.metadata['help']}{extra}")
+    return lines

@@ -1,0 +1,1 @@
+"""Data sources, tokenizers, token caches and samplers."""

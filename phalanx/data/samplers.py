@@ -1,0 +1,106 @@
+"""Deterministic distributed sampling by global sample offset.
+
+The training order is one stream: epoch 0's permutation, then epoch 1's, ... each seeded by
+(seed, epoch) as in `DistributedSampler.set_epoch`. Optimizer step s consumes stream positions
+[s*G, (s+1)*G) for the global batch size G, so:
+  * every sample is used exactly once per epoch, with no padding duplicates and nothing dropped
+    (a global batch may straddle an epoch boundary);
+  * the position is a single *global* offset, so a checkpoint resumes on any number of processes;
+  * a global batch is cut into micro-batches the same way whatever the world size (micro-batch j goes
+    to rank j % world at accumulation step j // world), so N processes see the same micro-batches as one.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+EpochOrder = Callable[[int, np.random.Generator], np.ndarray]
+
+
+def shuffled_order(n: int) -> EpochOrder:
+    return lambda epoch, rng: rng.permutation(n)
+
+
+def length_grouped_order(lengths: Sequence[int], micro_batch_size: int, mega_batches: int = 64) -> EpochOrder:
+    """Shuffle, cut into mega-batches, sort each by length, cut into micro-batches, shuffle those.
+
+    Consecutive runs of `micro_batch_size` positions then hold samples of similar length, so padding to
+    the longest in a micro-batch wastes little, while the order stays random at the micro-batch level.
+    """
+    lengths = np.asarray(lengths)
+    n = len(lengths)
+    mega = micro_batch_size * mega_batches
+
+    def order(epoch: int, rng: np.random.Generator) -> np.ndarray:
+        perm = rng.permutation(n)
+        chunks = []
+        for start in range(0, n, mega):
+            block = perm[start:start + mega]
+            chunks.append(block[np.argsort(-lengths[block], kind="stable")])
+        grouped = np.concatenate(chunks) if chunks else perm
+        micro = [grouped[i:i + micro_batch_size] for i in range(0, n, micro_batch_size)]
+        # Keep a trailing short micro-batch last so all others stay full within the epoch.
+        head, tail = (micro[:-1], micro[-1:]) if n % micro_batch_size else (micro, [])
+        picks = rng.permutation(len(head))
+        return np.concatenate([head[i] for i in picks] + tail) if micro else grouped
+
+    return order
+
+
+class GlobalBatchSampler:
+    """Maps a global sample offset to the indices of the next global batch, and to this rank's share."""
+
+    def __init__(self, num_samples: int, global_batch_size: int, micro_batch_size: int, seed: int,
+                 order: EpochOrder | None = None):
+        if num_samples < 1:
+            raise ValueError("the training set is empty")
+        self.n = num_samples
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.order = order or shuffled_order(num_samples)
+        self._cache: dict[int, np.ndarray] = {}
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose permutation is used next (derived from the offset by `global_batch`)."""
+        self.epoch = epoch
+        self._cache = {e: v for e, v in self._cache.items() if e >= epoch}
+
+    def epoch_indices(self, epoch: int) -> np.ndarray:
+        if epoch not in self._cache:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._cache[epoch] = self.order(epoch, rng)
+        return self._cache[epoch]
+
+    def stream(self, start: int, count: int) -> np.ndarray:
+        out, pos = [], start
+        while pos < start + count:
+            epoch, within = divmod(pos, self.n)
+            take = min(self.n - within, start + count - pos)
+            out.append(self.epoch_indices(epoch)[within:within + take])
+            pos += take
+        return np.concatenate(out)
+
+    def global_batch(self, offset: int) -> np.ndarray:
+        epoch = offset // self.n
+        if epoch != self.epoch:
+            self.set_epoch(epoch)
+        return self.stream(offset, self.global_batch_size)
+
+    def rank_micro_batches(self, global_indices: np.ndarray, rank: int, world_size: int) -> list[np.ndarray]:
+        """This rank's micro-batches, in accumulation order."""
+        m = self.micro_batch_size
+        micro = [global_indices[i:i + m] for i in range(0, len(global_indices), m)]
+        return micro[rank::world_size]
+
+    def micro_batch_ids(self, rank: int, world_size: int) -> list[int]:
+        """Global micro-batch numbers of this rank's micro-batches (seeds dropout per micro-batch)."""
+        total = self.global_batch_size // self.micro_batch_size
+        return list(range(total))[rank::world_size]
+
+
+def eval_shard(n: int, rank: int, world_size: int) -> range:
+    """Contiguous, uneven-but-exact shard of n evaluation samples: every sample on exactly one rank."""
+    return range(rank * n // world_size, (rank + 1) * n // world_size)

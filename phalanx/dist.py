@@ -1,0 +1,135 @@
+"""Who am I (rank, world, device), process-group set-up and teardown, backend choice, reductions."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    attempt: int  # elastic restart count (TORCHELASTIC_RESTART_COUNT)
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def under_srun() -> bool:
+    return "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and "SLURM_STEP_ID" in os.environ
+
+
+def slurm_env() -> dict[str, str]:
+    """Map srun's task variables to the ones `env://` reads (one srun task = one worker)."""
+    e = os.environ
+    ntasks = int(e["SLURM_NTASKS"])
+    local_world = int(e.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]) if "SLURM_NTASKS_PER_NODE" in e \
+        else max(1, ntasks // int(e.get("SLURM_NNODES", "1")))
+    master = e.get("MASTER_ADDR") or e.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1"
+    port = e.get("MASTER_PORT") or str(20000 + int(e.get("SLURM_JOB_ID", "0")) % 20000)
+    return {"RANK": e["SLURM_PROCID"], "WORLD_SIZE": str(ntasks), "LOCAL_RANK": e.get("SLURM_LOCALID", "0"),
+            "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": e.get("SLURM_NODEID", "0"),
+            "MASTER_ADDR": master, "MASTER_PORT": port}
+
+
+def pick_backend(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def check_backend(backend: str) -> str | None:
+    """None when usable here, else why not (checked before any worker starts)."""
+    available = {"gloo": tdist.is_gloo_available(), "nccl": tdist.is_nccl_available() and torch.cuda.is_available(),
+                 "mpi": tdist.is_mpi_available()}
+    if backend in available and not available[backend]:
+        return f"config key 'dist.backend': {backend} is not available in this torch build / machine"
+    return None
+
+
+def default_threads(local_world_size: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, local_world_size))
+
+
+def setup(backend_req: str = "auto", *, timeout_s: float = 600.0, threads: int = 0) -> DistInfo:
+    """Initialise the default process group from `env://` (torchrun, srun, or a lone process)."""
+    if not under_torchrun():
+        env = slurm_env() if under_srun() else {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                                                 "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                                 "MASTER_PORT": str(free_port())}
+        os.environ.update(env)
+    e = os.environ
+    rank, world = int(e["RANK"]), int(e["WORLD_SIZE"])
+    local_rank = int(e.get("LOCAL_RANK", "0"))
+    local_world = int(e.get("LOCAL_WORLD_SIZE", "1"))
+    backend = pick_backend(backend_req)
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)  # before any CUDA work, so nothing lands on device 0
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    torch.set_num_threads(threads or default_threads(local_world))
+    if not tdist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        tdist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
+                    node_rank=int(e.get("GROUP_RANK", "0")), attempt=int(e.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                    backend=backend, device=device)
+
+
+def teardown() -> None:
+    """Destroy the group. Callers free DDP/FSDP-wrapped models first (DESIGN.md pitfall 2)."""
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def all_reduce(values: list[float], info: DistInfo, op: str = "sum") -> list[float]:
+    """Reduce a few scalars across ranks in one collective (float64 so counts stay exact)."""
+    if info.world_size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=info.device)
+    tdist.all_reduce(t, op={"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX,
+                            "min": tdist.ReduceOp.MIN}[op])
+    return t.tolist()
+
+
+def all_gather_floats(values: list[float], info: DistInfo) -> list[list[float]]:
+    """Every rank's list of floats (same length on each rank), indexed by rank."""
+    if info.world_size == 1:
+        return [list(values)]
+    t = torch.tensor(values, dtype=torch.float64, device=info.device)
+    out = [torch.empty_like(t) for _ in range(info.world_size)]
+    tdist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def barrier(info: DistInfo) -> None:
+    if info.world_size > 1:
+        tdist.barrier()

@@ -1,0 +1,58 @@
+"""Test-only fault injection (`debug.fault`), so failure handling is tested with real failures.
+
+Form: `KIND:key=value:...` with KIND one of kill, raise, sleep, nan and keys rank (default: every
+rank), step (the optimizer step at which it fires), attempt (elastic attempt, default 0), seconds (sleep).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+KINDS = ("kill", "raise", "sleep", "nan", "kill_in_checkpoint")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None = None
+    attempt: int = 0
+    seconds: float = 0.0
+
+    def applies(self, rank: int, step: int, attempt: int) -> bool:
+        return step == self.step and attempt == self.attempt and self.rank in (None, rank)
+
+
+def parse_fault(text: str) -> Fault | None:
+    from .config import ConfigError  # config imports this module lazily; avoid a cycle at import
+
+    if not text:
+        return None
+    kind, *parts = text.split(":")
+    if kind not in KINDS:
+        raise ConfigError(f"config key 'debug.fault': unknown kind {kind!r}, expected one of {KINDS}")
+    fields = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or key not in ("rank", "step", "attempt", "seconds"):
+            raise ConfigError(f"config key 'debug.fault': bad part {part!r}, expected rank=, step=, "
+                              f"attempt= or seconds=")
+        try:
+            fields[key] = float(value) if key == "seconds" else int(value)
+        except ValueError:
+            raise ConfigError(f"config key 'debug.fault': {key} must be a number, got {value!r}") from None
+    if "step" not in fields:
+        raise ConfigError("config key 'debug.fault': needs step=N")
+    return Fault(kind=kind, **fields)
+
+
+def fire(fault: Fault) -> None:
+    """Carry out a process-level fault (the `nan` kind is applied to the loss by the loop)."""
+    if fault.kind in ("kill", "kill_in_checkpoint"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.kind == "raise":
+        raise RuntimeError(f"injected failure (debug.fault) at step {fault.step}")
+    elif fault.kind == "sleep":
+        time.sleep(fault.seconds)

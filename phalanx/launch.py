@@ -1,0 +1,161 @@
+"""Config + world shape -> PyTorch's elastic launcher (torch.distributed.run), and the run's outcome.
+
+Everything that can be checked is checked here, before any worker starts (exit code 2). Workers get
+the resolved config as a file path. Rendezvous is c10d on a free port (standalone) unless an endpoint is
+given for multi-node. Each elastic attempt gets a fresh rendezvous store
+(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, DESIGN.md pitfall 1).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from .config import Config, ConfigError, check_world, load_config, relevant_subset, save_yaml
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HANG, EXIT_PREEMPTED = 0, 1, 2, 3, 75
+
+
+def _parse_nnodes(nnodes: str) -> tuple[int, int]:
+    lo, _, hi = str(nnodes).partition(":")
+    try:
+        lo_i, hi_i = int(lo), int(hi or lo)
+    except ValueError:
+        raise ConfigError(f"--nnodes: expected N or MIN:MAX, got {nnodes!r}") from None
+    if lo_i < 1 or hi_i < lo_i:
+        raise ConfigError(f"--nnodes: expected 1 <= MIN <= MAX, got {nnodes!r}")
+    return lo_i, hi_i
+
+
+def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool = False) -> None:
+    """Checks that need no worker: world shape, backend, data readable, resume compatibility."""
+    from . import dist
+    from .checkpoint import CheckpointError, latest_in, read_meta
+
+    lo, hi = _parse_nnodes(nnodes)
+    if nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node: expected >= 1, got {nproc_per_node}")
+    for n in sorted({lo, hi}):
+        check_world(cfg, n * nproc_per_node)
+    problem = dist.check_backend(dist.pick_backend(cfg.dist.backend))
+    if problem:
+        raise ConfigError(problem)
+    from .tasks import get_task
+    task_cls = get_task(cfg.task)
+    if hasattr(task_cls, "preflight"):
+        task_cls.preflight(cfg)
+    if cfg.resume not in ("auto", "never"):
+        path = Path(cfg.resume)
+    else:
+        path = latest_in(Path(cfg.run_dir) / "checkpoints") if cfg.resume == "auto" else None
+    try:
+        meta = read_meta(path) if path else None
+    except CheckpointError as e:
+        raise ConfigError(f"--resume: {e}") from None
+    if meta and not force_resume:
+        saved, now = meta.get("config", {}), relevant_subset(cfg)
+        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        if changed:
+            raise ConfigError(f"checkpoint '{path}' was made with different training settings: "
+                              f"{', '.join(changed)}; use --fresh to start over or --force-resume")
+
+
+def move_aside(run_dir: Path) -> Path | None:
+    """--fresh: keep the old run folder under a new name instead of deleting it."""
+    if not run_dir.exists():
+        return None
+    target = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.rename(target)
+    return target
+
+
+def torchrun_args(config_path: Path, nproc_per_node: int, nnodes: str, rdzv_endpoint: str, rdzv_id: str,
+                  max_restarts: int, log_dir: Path | None = None) -> list[str]:
+    args = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
+            "--max-restarts", str(max_restarts), "--monitor-interval", "0.2"]
+    if rdzv_endpoint:
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id or "phalanx"]
+    else:
+        args += ["--standalone"]
+    if log_dir is not None:
+        args += ["--log-dir", str(log_dir)]
+    return args + ["--module", "phalanx.worker", str(config_path)]
+
+
+def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdzv_endpoint: str = "",
+           rdzv_id: str = "", max_restarts: int = 0, fresh: bool = False, force_resume: bool = False,
+           overrides: list[str] = ()) -> int:
+    """Validate, write RUN/config.yaml, start the workers, and report how the run ended (exit code)."""
+    if not isinstance(cfg, Config):
+        cfg = load_config(cfg, list(overrides))
+    run_dir = Path(cfg.run_dir)
+    if fresh:
+        old = move_aside(run_dir)
+        if old:
+            print(f"phalanx: --fresh: moved the previous run to {old}", flush=True)
+    preflight(cfg, nproc_per_node, nnodes, force_resume)
+    lo, hi = _parse_nnodes(nnodes)
+    if not cfg.dist.threads_per_worker:
+        from .dist import default_threads
+        cfg.dist.threads_per_worker = default_threads(nproc_per_node)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    save_yaml(cfg, config_path)
+    for marker in ("PREEMPTED", "error.json"):
+        (run_dir / marker).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "hang", ignore_errors=True)
+
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # fresh store per elastic attempt
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.dist.threads_per_worker))
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    import torch.distributed.run as trun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = trun.get_args_parser().parse_args(
+        torchrun_args(config_path, nproc_per_node, nnodes, rdzv_endpoint, rdzv_id, max_restarts))
+    failure = None
+    try:
+        trun.run(args)
+    except ChildFailedError as e:
+        failure = e
+    except SignalException as e:
+        failure = e
+    return outcome(run_dir, failure)
+
+
+def outcome(run_dir: Path, failure) -> int:
+    """Turn markers left by the workers into a one-line message and an exit code."""
+    from .watchdog import summarize
+
+    preempted = run_dir / "PREEMPTED"
+    if preempted.exists():
+        step = json.loads(preempted.read_text())["step"]
+        print(f"phalanx: preempted at step {step}; run the same command to resume", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    hang = summarize(run_dir / "hang")
+    if hang:
+        (run_dir / "hang" / "summary.txt").write_text(hang + "\n")
+        print(f"phalanx: {hang}", file=sys.stderr, flush=True)
+        return EXIT_HANG
+    error = run_dir / "error.json"
+    if error.exists():
+        print(f"phalanx: stopped: {json.loads(error.read_text())['error']}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    if failure is not None:
+        print(f"phalanx: training failed: {str(failure).strip().splitlines()[0] if str(failure) else failure!r}",
+              file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def run_as_worker(cfg: Config) -> int:
+    """Already inside torchrun/srun: be that worker instead of launching again."""
+    from .train import train
+
+    check_world(cfg, int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))))
+    summary = train(cfg)
+    return EXIT_PREEMPTED if summary.get("preempted") else EXIT_OK

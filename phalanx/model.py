@@ -1,0 +1,87 @@
+"""Build Hugging Face models from the config (random init) or a pretrained folder, and wrap them."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+
+
+def _hub_name(spec: str) -> str:
+    return spec[3:] if spec.startswith("hf:") else spec
+
+
+def build_causal_lm(m: ModelConfig, vocab_size: int, eos_id: int) -> nn.Module:
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if m.pretrained:
+        return AutoModelForCausalLM.from_pretrained(_hub_name(m.pretrained))
+    if m.arch == "gpt2":
+        cfg = GPT2Config(vocab_size=vocab_size, n_positions=m.block_size, n_embd=m.n_embd, n_layer=m.n_layer,
+                         n_head=m.n_head, resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
+                         bos_token_id=eos_id, eos_token_id=eos_id)
+        return GPT2LMHeadModel(cfg)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=m.n_embd, intermediate_size=4 * m.n_embd,
+                      num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=m.n_head,
+                      max_position_embeddings=m.block_size, attention_dropout=m.dropout,
+                      bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg)
+
+
+def build_classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: int,
+                     id2label: dict[int, str]) -> nn.Module:
+    from transformers import (AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification,
+                              DistilBertConfig, DistilBertForSequenceClassification, RobertaConfig,
+                              RobertaForSequenceClassification)
+
+    label2id = {v: k for k, v in id2label.items()}
+    if m.pretrained:
+        return AutoModelForSequenceClassification.from_pretrained(
+            _hub_name(m.pretrained), num_labels=len(id2label), id2label=id2label, label2id=label2id,
+            ignore_mismatched_sizes=True)
+    common = dict(vocab_size=vocab_size, pad_token_id=pad_id, num_labels=len(id2label), id2label=id2label,
+                  label2id=label2id)
+    if m.arch == "distilbert":
+        cfg = DistilBertConfig(dim=m.n_embd, n_layers=m.n_layer, n_heads=m.n_head, hidden_dim=4 * m.n_embd,
+                               max_position_embeddings=max_length, dropout=m.dropout,
+                               attention_dropout=m.dropout, seq_classif_dropout=m.dropout, **common)
+        return DistilBertForSequenceClassification(cfg)
+    kw = dict(hidden_size=m.n_embd, num_hidden_layers=m.n_layer, num_attention_heads=m.n_head,
+              intermediate_size=4 * m.n_embd, hidden_dropout_prob=m.dropout,
+              attention_probs_dropout_prob=m.dropout, **common)
+    if m.arch == "roberta":
+        return RobertaForSequenceClassification(RobertaConfig(max_position_embeddings=max_length + 2, **kw))
+    return BertForSequenceClassification(BertConfig(max_position_embeddings=max_length, **kw))
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def wrap(model: nn.Module, strategy: str, info) -> nn.Module:
+    """DDP (or FSDP2) around `model`; at world size 1 no wrapper (it would cost ~5% for nothing)."""
+    if info.world_size == 1:
+        return model
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in transformer_blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device_ids = [info.device.index] if info.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a Hugging Face transformer (the natural FSDP unit)."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            return list(module)
+    return []
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)

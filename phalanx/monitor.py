@@ -1,0 +1,128 @@
+"""Metrics and progress: rank 0 writes RUN/metrics.jsonl (and optional sinks) and shows progress.
+
+Every value's unit is in its key (`tokens_per_s`, `step_time_s`, `rss_mb`); training lines carry `step`,
+`loss`, `lr`, `tokens_per_s`, `step_time_s`; evaluation lines carry `step` and keys starting `eval/`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+
+class JsonlSink:
+    def __init__(self, path: Path, truncate_after_step: int | None = None):
+        self.path = path
+        if truncate_after_step is not None and path.exists():
+            _truncate_after(path, truncate_after_step)
+        self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record, allow_nan=True) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """On resume, drop lines logged after the checkpoint so the file reads as one uninterrupted run."""
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a torn last line from a killed process
+        if rec.get("step", 0) <= step or rec.get("event"):
+            kept.append(line)
+    path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+
+
+class Progress:
+    """A tqdm bar on an interactive terminal, plain log lines otherwise."""
+
+    def __init__(self, mode: str, total: int, start: int):
+        interactive = sys.stderr.isatty()
+        self.mode = ("bar" if interactive else "lines") if mode == "auto" else mode
+        self.bar = None
+        if self.mode == "bar":
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, rec: dict, eta_s: float) -> None:
+        if self.mode == "off":
+            return
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix(loss=f"{rec.get('loss', float('nan')):.4f}",
+                                 tok_s=f"{rec.get('tokens_per_s', 0):.0f}", refresh=True)
+            return
+        print(f"step {step:>6} | loss {rec.get('loss', float('nan')):.4f} | lr {rec.get('lr', 0):.2e} | "
+              f"{rec.get('tokens_per_s', 0):>8.0f} tok/s | {rec.get('step_time_s', 0) * 1000:.0f} ms/step | "
+              f"eta {_fmt_time(eta_s)}", flush=True)
+
+    def message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        elif self.mode != "off":
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fmt_time(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class Monitor:
+    """Rank 0's view of the run. Other ranks get a Monitor that does nothing."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, progress: str, max_steps: int, start_step: int):
+        self.enabled, self.max_steps = enabled, max_steps
+        self.sinks = []
+        self.progress = None
+        self.t_start, self.start_step = time.time(), start_step
+        if enabled:
+            self.sinks.append(JsonlSink(Path(run_dir) / "metrics.jsonl", truncate_after_step=start_step))
+            self.progress = Progress(progress, max_steps, start_step)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"time_s": round(time.time(), 3), **record}
+        for sink in self.sinks:
+            sink.write(record)
+
+    def train(self, step: int, rec: dict) -> None:
+        if not self.enabled:
+            return
+        self.log({"step": step, **rec})
+        done = step - self.start_step
+        rate = done / max(time.time() - self.t_start, 1e-9)
+        self.progress.update(step, rec, (self.max_steps - step) / rate if rate > 0 else float("inf"))
+
+    def eval(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        self.log({"step": step, **metrics})
+        shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
+                          if not isinstance(v, (list, dict)))
+        self.progress.message(f"eval @ step {step}: {shown}")
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self.progress.message(text)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        if self.progress:
+            self.progress.close()

@@ -1,0 +1,92 @@
+"""Hang diagnosis: a per-rank thread that notices when the loop stops making progress.
+
+The loop calls `beat(step, phase)` at each stage of a step. If no beat arrives within the timeout,
+the thread writes this rank's Python stacks (all threads) and its last position to RUN/hang/rank<r>.txt
+and ends the process with HANG_EXIT, so the job stops instead of waiting forever. The launcher then
+compares the ranks' positions: the rank(s) furthest behind are the ones that never reached the
+collective the others are waiting in.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+HANG_EXIT = 3
+# Order of the stages within one step; a rank at an earlier stage is behind.
+PHASES = ("start", "sync", "data", "forward", "backward", "optimizer", "eval", "checkpoint", "done")
+
+
+class Watchdog:
+    def __init__(self, folder: Path, rank: int, timeout_s: float):
+        self.folder, self.rank, self.timeout_s = Path(folder), rank, timeout_s
+        self.position = {"step": -1, "micro": 0, "phase": "start"}
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="phalanx-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def beat(self, step: int, phase: str, micro: int = 0) -> None:
+        self.position = {"step": step, "micro": micro, "phase": phase}
+        self._last = time.monotonic()
+
+    def pause(self, seconds: float) -> None:
+        """Allow one long stage (e.g. the first compile) by pushing the deadline back."""
+        self._last = time.monotonic() + seconds
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s:
+                self._dump(idle)
+                os._exit(HANG_EXIT)
+
+    def _dump(self, idle: float) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / f"rank{self.rank}.txt", "w") as f:
+            f.write(json.dumps({"rank": self.rank, "pid": os.getpid(), "idle_s": round(idle, 1),
+                                **self.position}) + "\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+
+
+def _key(pos: dict) -> tuple:
+    phase = pos.get("phase", "start")
+    return pos.get("step", -1), pos.get("micro", 0), PHASES.index(phase) if phase in PHASES else 0
+
+
+def summarize(folder: Path) -> str | None:
+    """One paragraph naming the stuck rank(s), from the files the ranks wrote; None if no hang."""
+    files = sorted(Path(folder).glob("rank*.txt"))
+    if not files:
+        return None
+    positions = {}
+    for f in files:
+        try:
+            pos = json.loads(f.read_text().splitlines()[0])
+            positions[int(pos["rank"])] = pos
+        except (ValueError, IndexError, KeyError):
+            continue
+    if not positions:
+        return None
+    behind = min(_key(p) for p in positions.values())
+    stuck = sorted(r for r, p in positions.items() if _key(p) == behind)
+    waiting = sorted(set(positions) - set(stuck))
+    where = positions[stuck[0]]
+    if waiting:
+        text = (f"hang: rank(s) {', '.join(map(str, stuck))} did not reach the collective at step "
+                f"{where['step']} (last stage: {where['phase']}); rank(s) {', '.join(map(str, waiting))} "
+                f"waited for them")
+    else:
+        text = (f"hang: all {len(stuck)} rank(s) stopped at step {where['step']} stage {where['phase']} "
+                f"(same collective on every rank: a network or peer failure)")
+    return text + f". Stacks: {folder}/rank<r>.txt"

@@ -1,0 +1,56 @@
+"""Shared helpers: real `phalanx` processes on small configs over the shared offline data sets."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data"
+SHAKESPEARE = DATA / "tinyshakespeare" / "input.txt"
+SST2 = DATA / "sst2"
+
+# A model small enough that a step takes milliseconds; same shape family as the real configs.
+TINY_LM = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=32",
+           "data.vocab_size=512", "train.micro_batch_size=4", "train.global_batch_size=16",
+           "train.log_every=1", "train.eval_every=0", "train.warmup_steps=2", "train.lr=3e-3",
+           "train.eval_max_samples=64", "log.progress=lines"]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("token-cache")
+
+
+def phalanx(*args, timeout: float = 120, env: dict | None = None, check: bool = False) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (as a user would)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "phalanx", *map(str, args)], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"phalanx {' '.join(map(str, args))} exited {proc.returncode}\n"
+                             f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in metrics(run_dir) if "loss" in m and "event" not in m}
+
+
+def final_params(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
+
+
+def lm_args(run_dir: Path, cache: Path, *extra) -> list[str]:
+    return ["train", f"data.train={SHAKESPEARE}", f"data.cache_dir={cache}", "--run-dir", str(run_dir),
+            *TINY_LM, *extra]

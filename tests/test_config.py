@@ -1,0 +1,71 @@
+"""Config loading, overrides, and bad input: exit code 2 with a message naming the problem, no worker."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SHAKESPEARE, phalanx
+from phalanx.config import ConfigError, check_world, load_config
+
+
+def test_overrides_and_types():
+    cfg = load_config(None, ["train.lr=3e-4", "model.n_layer=6", "data.labels=[a,b]", "train.compile=true"])
+    assert cfg.train.lr == 3e-4 and cfg.model.n_layer == 6 and cfg.data.labels == ["a", "b"]
+    assert cfg.train.compile is True and cfg.run_dir == "runs/default"
+
+
+def test_accumulation_is_derived_and_checked():
+    cfg = load_config(None, ["train.global_batch_size=48", "train.micro_batch_size=8"])
+    assert check_world(cfg, 1) == 6 and check_world(cfg, 2) == 3 and check_world(cfg, 3) == 2
+    with pytest.raises(ConfigError, match="global_batch_size.*not divisible.*world size \\(4\\)"):
+        check_world(cfg, 4)
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "examples").rglob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_config_loads(example):
+    cfg = load_config(str(example), [f"data.train={SHAKESPEARE}"], check_paths=False)
+    assert cfg.train.global_batch_size % cfg.train.micro_batch_size == 0
+
+
+def _write(tmp_path: Path, name: str, content: bytes | str) -> Path:
+    p = tmp_path / name
+    p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return p
+
+
+BINARY = b"hello \xff\xfe world"
+BAD = [
+    # (args builder, expected fragment of the one-line message)
+    (lambda t: ["train.lr=abc"], "train.lr"),
+    (lambda t: ["train.bogus=1"], "unknown config key 'train.bogus'"),
+    (lambda t: ["train.max_steps=0"], "train.max_steps': must be >= 1"),
+    (lambda t: ["train.global_batch_size=30", "train.micro_batch_size=8"], "not a multiple"),
+    (lambda t: ["train.global_batch_size=24", "train.micro_batch_size=8", "--nproc-per-node", "2"],
+     "not divisible by micro_batch_size (8) x world size (2)"),
+    (lambda t: ["data.train=/nonexistent/file.txt"], "data.train': file or folder '/nonexistent/file.txt' not found"),
+    (lambda t: ["model.n_embd=100", "model.n_head=3"], "model.n_embd"),
+    (lambda t: ["train.precision=fp8"], "train.precision': expected one of"),
+    (lambda t: ["model.arch=bert"], "task 'lm' needs gpt2 or llama"),
+    (lambda t: [str(_write(t, "bad.yaml", "train: [1, 2"))], "not valid YAML"),
+    (lambda t: [str(_write(t, "bad2.yaml", "train:\n  lr: {a: 1}\n"))], "train.lr': expected float"),
+    (lambda t: ["/nonexistent/config.yaml"], "config file '/nonexistent/config.yaml' not found"),
+    (lambda t: ["data.train=" + str(_write(t, "bin.txt", BINARY))], "not valid UTF-8"),
+    (lambda t: ["data.train=" + str(_write(t, "bad.jsonl", '{"text": "ok"}\n{broken\n'))], "line 2: malformed JSON"),
+    (lambda t: ["data.train=" + str(_write(t, "nofield.jsonl", '{"body": "x"}\n'))], "missing field 'text'"),
+    (lambda t: ["data.train=" + str(_write(t, "empty.jsonl", ""))], "empty"),
+    (lambda t: ["debug.fault=explode:step=1"], "debug.fault"),
+    (lambda t: ["--nnodes", "2:1"], "--nnodes"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD)))
+def test_bad_input_exits_2_before_any_worker(case, tmp_path):
+    build, fragment = BAD[case]
+    run_dir = tmp_path / "run"
+    proc = phalanx("train", *build(tmp_path), "--run-dir", run_dir, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+    assert "phalanx: task" not in proc.stdout  # no worker started
+    assert not (run_dir / "config.yaml").exists()  # nothing half-written

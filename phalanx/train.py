@@ -196,7 +196,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
 
     # ---- the loop ----------------------------------------------------------------------------
     stop_reason, time_due, last_ckpt_time, eval_metrics = None, False, time.time(), {}
-    window = {"loss": 0.0, "tokens": 0, "targets": 0.0, "time": 0.0, "steps": 0, "data": 0.0, "fwd_bwd": 0.0, "opt": 0.0}
+    window = {"loss": 0.0, "tokens": 0, "targets": 0.0, "useful": 0.0, "time": 0.0, "steps": 0, "data": 0.0, "fwd_bwd": 0.0, "opt": 0.0}
     first_step_at = None
     while True:
         step = state["step"]
@@ -224,10 +224,11 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
                    for ids in sampler.rank_micro_batches(global_ids, info.rank, info.world_size)]
         local_count = sum(task.target_count(b) for b in batches)
         local_tokens = sum(task.batch_tokens(b) for b in batches)
+        local_useful = sum(task.useful_tokens(b) for b in batches)
         ckpt_minutes_due = t.checkpoint_every_minutes and time.time() - last_ckpt_time > 60 * t.checkpoint_every_minutes
         watchdog.beat(step, "sync")
-        count, tokens, stop_votes, time_votes = dist.all_reduce(
-            [local_count, local_tokens, float(preempt.requested), float(bool(ckpt_minutes_due))], info)
+        count, tokens, useful, stop_votes, time_votes = dist.all_reduce(
+            [local_count, local_tokens, local_useful, float(preempt.requested), float(bool(ckpt_minutes_due))], info)
         t1 = time.perf_counter()
         loss_local = torch.zeros((), dtype=torch.float64, device=info.device)
         bad_micro = math.inf
@@ -278,6 +279,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
         window["loss"] += float(loss_local)
         window["tokens"] += int(tokens)
         window["targets"] += count
+        window["useful"] += useful
         window["steps"] += 1
         window["time"] += t3 - t0
         window["data"] += t1 - t0
@@ -293,6 +295,8 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
             monitor.train(step, {
                 "loss": loss_sum / target_sum, "lr": lr, "grad_norm": grad_norm,
                 "tokens_per_s": window["tokens"] / window["time"], "step_time_s": window["time"] / n,
+                "useful_tokens_per_s": window["useful"] / window["time"],
+                "pad_fraction": 1 - window["useful"] / max(window["tokens"], 1),
                 "data_time_s": window["data"] / n, "fwd_bwd_time_s": window["fwd_bwd"] / n,
                 "optimizer_time_s": window["opt"] / n, "tokens_seen": state["tokens_seen"],
                 "epoch": state["samples_seen"] / len(task.train_set)})

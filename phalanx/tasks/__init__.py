@@ -2,7 +2,7 @@
 
 A task object has: `prepare()` (builds `train_set`, `val_set`, `tokenizer`), `train_order()` (an epoch
 order for the sampler, or None for a plain shuffle), `build_model()`, `collate(dataset, indices)`,
-`target_count(batch)`, `loss_sum(model, batch)` (summed over targets: the loop normalises by the
+`target_count(batch)`, `useful_tokens(batch)` (non-padding), `loss_sum(model, batch)` (summed over targets: the loop normalises by the
 global count), `batch_tokens(batch)`, `eval_sums(model, batch)` / `eval_metrics(sums)` (exact,
 all-reduced evaluation), `export(model, folder)` and `summary_extra()`.
 """

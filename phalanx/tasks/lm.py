@@ -139,6 +139,9 @@ class LMTask:
     def batch_tokens(self, batch: dict) -> int:
         return int(batch["input_ids"].numel())
 
+    def useful_tokens(self, batch: dict) -> int:
+        return self.batch_tokens(batch)  # packed: no padding
+
     def loss_sum(self, model, batch: dict) -> torch.Tensor:
         logits = model(input_ids=batch["input_ids"]).logits
         return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),

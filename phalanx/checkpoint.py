@@ -37,7 +37,9 @@ class CheckpointError(RuntimeError):
 _ALLOWED_MODULE_PREFIXES = ("torch.distributed.checkpoint",)
 _ALLOWED_GLOBALS = {("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"),
                     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-                    ("torch", "layout"), ("torch", "memory_format"), ("torch", "dtype")}
+                    ("torch", "layout"), ("torch", "memory_format"), ("torch", "dtype"),
+                    ("torch.serialization", "_get_layout"),  # maps a layout name like 'torch.strided'
+                    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")}
 _TORCH_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
 
 

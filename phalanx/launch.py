@@ -33,7 +33,7 @@ def _parse_nnodes(nnodes: str) -> tuple[int, int]:
 def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool = False) -> None:
     """Checks that need no worker: world shape, backend, data readable, resume compatibility."""
     from . import dist
-    from .checkpoint import CheckpointError, latest_in, read_meta
+    from .checkpoint import CheckpointError, check_safe, latest_in, read_meta
 
     lo, hi = _parse_nnodes(nnodes)
     if nproc_per_node < 1:
@@ -53,8 +53,10 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
         path = latest_in(Path(cfg.run_dir) / "checkpoints") if cfg.resume == "auto" else None
     try:
         meta = read_meta(path) if path else None
+        if path:
+            check_safe(path)  # refuse a checkpoint that could run code, before any worker loads it
     except CheckpointError as e:
-        raise ConfigError(f"--resume: {e}") from None
+        raise ConfigError(f"resume: {e}") from None
     if meta and not force_resume:
         saved, now = meta.get("config", {}), relevant_subset(cfg)
         changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))

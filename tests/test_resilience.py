@@ -1,0 +1,193 @@
+"""Exact resume, world-size change, elastic restarts, preemption, torn checkpoints, NaN, hangs, unsafe files.
+
+All runs are real `phalanx train` processes (torch.distributed.run + Gloo). The training text is a
+small slice of Tiny Shakespeare so that 12 steps cross an epoch boundary: resume is tested mid-epoch
+and across epochs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, SHAKESPEARE, TINY_LM, final_params, metrics, phalanx, train_losses
+
+STEPS = 12
+# global batch 24 = micro 4 x world {1,2,3} x accum {6,3,2}: every world size of these tests divides it
+SHAPE = ["train.global_batch_size=24", f"train.max_steps={STEPS}", "train.checkpoint_every=3"]
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("text") / "small.txt"
+    p.write_text(SHAKESPEARE.read_text()[:14_000])  # ~200 blocks of 32 tokens: an epoch is ~8 steps
+    return p
+
+
+def args(run: Path, text: Path, cache: Path, *extra) -> list:
+    return ["train", f"data.train={text}", f"data.cache_dir={cache}", "--run-dir", run, *TINY_LM, *SHAPE,
+            "model.dropout=0.1", *extra]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, small_text, cache_dir):
+    run = tmp_path_factory.mktemp("baseline")
+    phalanx(*args(run, small_text, cache_dir), "--nproc-per-node", 2, check=True, timeout=180)
+    return run
+
+
+def assert_same_run(run: Path, ref: Path, rel: float = 0.0) -> None:
+    got, want = train_losses(run), train_losses(ref)
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=rel, abs=0), f"step {step}: {got[step]} vs {want[step]}"
+    p, q = final_params(run), final_params(ref)
+    for name in q:
+        torch.testing.assert_close(p[name], q[name], rtol=max(rel, 1e-7), atol=max(rel, 1e-7) * 10, msg=name)
+
+
+def test_epoch_boundary_is_crossed(baseline):
+    epochs = [m["epoch"] for m in metrics(baseline) if "epoch" in m]
+    assert epochs[0] < 1 < epochs[-1]
+
+
+def test_stop_and_resume_is_bitwise_identical(tmp_path, small_text, cache_dir, baseline):
+    run = tmp_path / "run"
+    first = phalanx(*args(run, small_text, cache_dir, "debug.fault=kill:rank=1:step=7"), "--nproc-per-node", 2)
+    assert first.returncode == 1
+    assert json.loads((run / "checkpoints" / "latest").read_text())["name"] == "step_000006"
+    second = phalanx(*args(run, small_text, cache_dir), "--nproc-per-node", 2, check=True, timeout=180)
+    assert "resumed from" in second.stdout and "at step 6" in second.stdout
+    # Same world size, same math: identical bits on CPU (the losses are compared exactly).
+    assert_same_run(run, baseline, rel=0.0)
+
+
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_resume_on_a_different_world_size(tmp_path, small_text, cache_dir, baseline, new_world):
+    run = tmp_path / "run"
+    phalanx(*args(run, small_text, cache_dir, "debug.fault=raise:rank=0:step=7"), "--nproc-per-node", 2)
+    assert (run / "checkpoints" / "step_000006").is_dir()
+    proc = phalanx(*args(run, small_text, cache_dir), "--nproc-per-node", new_world, check=True, timeout=180)
+    assert f"world size {new_world}" in proc.stdout and "saved by world size 2" in proc.stdout
+    # Same global batch and sample order; only the reduction order of floats changes.
+    assert_same_run(run, baseline, rel=1e-5)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["samples_seen"] == STEPS * 24  # nothing skipped or repeated
+
+
+def test_elastic_restart_after_sigkill_continues_exactly(tmp_path, small_text, cache_dir, baseline):
+    run = tmp_path / "run"
+    proc = phalanx(*args(run, small_text, cache_dir, "debug.fault=kill:rank=1:step=5"), "--nproc-per-node", 2,
+                   "--max-restarts", 1, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "elastic attempt 1" in proc.stdout and "at step 3" in proc.stdout
+    assert "SIGKILL" in proc.stderr or "Signal 9" in proc.stderr or "exitcode" in proc.stderr
+    assert_same_run(run, baseline, rel=0.0)
+
+
+def test_kill_during_checkpoint_write_falls_back_to_previous(tmp_path, small_text, cache_dir, baseline):
+    run = tmp_path / "run"
+    proc = phalanx(*args(run, small_text, cache_dir, "debug.fault=kill_in_checkpoint:rank=1:step=6"),
+                   "--nproc-per-node", 2)
+    assert proc.returncode == 1
+    ckpts = run / "checkpoints"
+    assert (ckpts / ".tmp-step_000006").is_dir() and not (ckpts / "step_000006").exists()
+    proc = phalanx(*args(run, small_text, cache_dir), "--nproc-per-node", 2, check=True, timeout=180)
+    assert "at step 3" in proc.stdout
+    assert_same_run(run, baseline, rel=0.0)
+
+
+def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, small_text, cache_dir, baseline):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "phalanx", *map(str, args(run, small_text, cache_dir)), "--nproc-per-node", "2"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (run / "metrics.jsonl").exists() and any(m.get("step", 0) >= 2 for m in metrics(run)):
+            break
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 75, err[-3000:]
+    marker = json.loads((run / "PREEMPTED").read_text())
+    assert f"preempted at step {marker['step']}; run the same command to resume" in err
+    assert (run / "checkpoints" / f"step_{marker['step']:06d}").is_dir()
+    phalanx(*args(run, small_text, cache_dir), "--nproc-per-node", 2, check=True, timeout=180)
+    assert_same_run(run, baseline, rel=0.0)
+
+
+def test_nan_skip_policy_completes_and_counts(tmp_path, small_text, cache_dir):
+    run = tmp_path / "run"
+    proc = phalanx(*args(run, small_text, cache_dir, "debug.fault=nan:rank=1:step=4", "train.max_steps=6"),
+                   "--nproc-per-node", 2, check=True, timeout=180)
+    assert "non-finite" in proc.stdout and "step 4" in proc.stdout
+    assert json.loads((run / "summary.json").read_text())["nan_skipped_steps"] == 1
+    events = [m for m in metrics(run) if m.get("event") == "nan_skip"]
+    assert len(events) == 1
+
+
+def test_nan_stop_policy_names_the_step(tmp_path, small_text, cache_dir):
+    run = tmp_path / "run"
+    proc = phalanx(*args(run, small_text, cache_dir, "debug.fault=nan:rank=0:step=4", "train.nan_policy=stop"),
+                   "--nproc-per-node", 2, timeout=180)
+    assert proc.returncode == 1
+    assert "non-finite loss or gradient norm at step 4, micro-batch" in proc.stderr
+
+
+def test_hang_is_diagnosed_and_the_job_exits(tmp_path, small_text, cache_dir):
+    run = tmp_path / "run"
+    timeout = 6
+    t0 = time.time()
+    proc = phalanx(*args(run, small_text, cache_dir, "debug.fault=sleep:rank=1:step=3:seconds=120",
+                         f"dist.timeout_s={timeout}"), "--nproc-per-node", 2, timeout=120)
+    elapsed = time.time() - t0
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    summary = (run / "hang" / "summary.txt").read_text()
+    assert "rank(s) 1 did not reach the collective at step 3" in summary
+    assert "rank(s) 1 did not reach" in proc.stderr
+    for r in (0, 1):
+        text = (run / "hang" / f"rank{r}.txt").read_text()
+        assert "Thread" in text or "File" in text  # a real Python stack
+    assert "in fire" in (run / "hang" / "rank1.txt").read_text()  # the injected sleep, named in its stack
+    assert elapsed < 60  # start-up + 3 steps + timeout + a few seconds, not the 120 s sleep
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {_Evil.marker}",))
+
+
+def test_malicious_checkpoint_is_refused_not_executed(tmp_path, small_text, cache_dir, baseline):
+    ckpt = tmp_path / "evil"
+    ckpt.mkdir()
+    _Evil.marker = tmp_path / "pwned"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    (ckpt / "meta.json").write_text(json.dumps({"step": 3, "config": {}}))
+    proc = phalanx(*args(tmp_path / "run", small_text, cache_dir), "--resume", ckpt, "--force-resume")
+    assert proc.returncode == 2
+    assert "refusing to load" in proc.stderr and "posix.system" in proc.stderr
+    assert not _Evil.marker.exists()
+
+
+def test_changed_training_settings_are_refused_unless_forced(tmp_path, small_text, cache_dir, baseline):
+    proc = phalanx(*args(baseline, small_text, cache_dir, "train.lr=1e-2", "train.max_steps=13"))
+    assert proc.returncode == 2 and "train.lr" in proc.stderr and "--fresh" in proc.stderr
+
+
+def test_fresh_moves_the_old_run_aside(tmp_path, small_text, cache_dir):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "keep.txt").write_text("old")
+    phalanx(*args(run, small_text, cache_dir, "train.max_steps=1"), "--fresh", check=True, timeout=120)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    assert len(aside) == 1 and (aside[0] / "keep.txt").read_text() == "old"
+    assert (run / "final").is_dir()

@@ -53,8 +53,10 @@ def cmd_train(args) -> int:
     if args.fresh:
         overrides.append("resume=auto")
     cfg = load_config(config, overrides)
-    launcher_flags = args.nnodes != "1" or args.rdzv_endpoint
-    if dist.under_torchrun() or (dist.under_srun() and not launcher_flags):
+    # Started by torchrun/srun as one worker: be it. Launcher flags mean "start my own workers", which
+    # a Slurm job with one task per node or a Kubernetes pod (whose operator sets RANK/WORLD_SIZE) asks for.
+    launcher_flags = args.nnodes != "1" or args.rdzv_endpoint or args.nproc_per_node > 1
+    if (dist.under_torchrun() or dist.under_srun()) and not launcher_flags:
         return run_as_worker(cfg)
     return launch(cfg, args.nproc_per_node, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                   rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, fresh=args.fresh,
@@ -106,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
             mod = importlib.import_module(module)
         except ImportError:
             continue
-        if not hasattr(mod, "add_arguments"):
+        if not (hasattr(mod, "add_arguments") and hasattr(mod, "run")):
             continue
         p = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
         mod.add_arguments(p)

@@ -9,12 +9,31 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 scalars: only true/false are booleans ('off' stays a string), and 3e-4 is a float."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
 
 
 class ConfigError(ValueError):
@@ -105,6 +124,17 @@ class DistConfig:
     startup_timeout_s: float = _f(300.0, "seconds allowed for start-up collectives", min=1.0)
     timeout_s: float = _f(600.0, "seconds a training step may make no progress before the hang "
                           "watchdog dumps stacks and stops the job", min=1.0)
+    nccl_timeout_s: float = _f(0.0, "NCCL: seconds one collective may take before the process group "
+                               "aborts it; 0 = the larger of startup_timeout_s and timeout_s, plus 60 (the "
+                               "hang watchdog reports first)", min=0.0)
+    nccl_async_error_handling: int = _f(3, "NCCL: what a failed or timed-out collective does "
+                                        "(TORCH_NCCL_ASYNC_ERROR_HANDLING): 0 = nothing, 1 = abort the "
+                                        "communicator and kill the process, 2 = abort only, 3 = kill the "
+                                        "process without cleanup", choices=[0, 1, 2, 3])
+    nccl_debug: str = _f("", "NCCL: NCCL_DEBUG log level; empty = leave it to the environment",
+                         choices=["", "VERSION", "WARN", "INFO", "TRACE"])
+    nccl_socket_ifname: str = _f("", "NCCL: network interfaces for bootstrap and sockets "
+                                 "(NCCL_SOCKET_IFNAME, e.g. 'eth0' or '^lo,docker'); empty = NCCL's choice")
 
 
 @dataclass
@@ -114,13 +144,21 @@ class LogConfig:
     mlflow_experiment: str = _f("", "also log to this MLflow experiment (needs the mlflow extra)")
     progress: str = _f("auto", "progress bar on rank 0: auto = only on an interactive terminal",
                        choices=["auto", "bar", "lines", "off"])
+    peak_tflops: float = _f(0.0, "peak dense TFLOP/s for MFU: of one GPU, or of one node's CPUs; 0 = a "
+                            "built-in table for known GPUs (16-bit or fp32 by train.precision), no MFU on CPU",
+                            min=0.0)
+    straggler_margin: float = _f(0.2, "a rank whose busy time per step exceeds the median over ranks by "
+                                 "more than this fraction is slow in that log window", min=0.0)
+    straggler_windows: int = _f(3, "consecutive slow log windows before a rank is named a straggler",
+                                min=1)
 
 
 @dataclass
 class DebugConfig:
     fault: str = _f("", "test-only fault injection, e.g. 'kill:rank=1:step=5', 'raise:rank=0:step=3', "
-                    "'sleep:rank=1:step=3:seconds=60', 'nan:step=4' (attempt=N limits it to one "
-                    "elastic attempt, default 0)")
+                    "'sleep:rank=1:step=3:seconds=60', 'nan:step=4', 'slow:rank=1:step=0:seconds=0.05' "
+                    "(sleeps in every step from step on) (attempt=N limits it to one elastic attempt, "
+                    "default 0)")
 
 
 @dataclass
@@ -222,7 +260,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override '{text}': expected key=value, e.g. train.lr=3e-4")
     key, _, value = text.partition("=")
     try:
-        parsed = yaml.safe_load(value) if value != "" else ""
+        parsed = _yaml(value) if value != "" else ""
     except yaml.YAMLError:
         parsed = value
     return key.strip(), parsed
@@ -233,7 +271,7 @@ def read_yaml(path: str | os.PathLike) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file '{path}' not found")
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        raw = _yaml(p.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         reason = str(e).replace("\n", " ")
         raise ConfigError(f"config file '{path}': not valid YAML ({reason})") from None
@@ -301,6 +339,19 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
     if cfg.debug.fault:
         from .faults import parse_fault  # local: faults is a leaf module, only needed for validation
         parse_fault(cfg.debug.fault)
+    _check_extras(cfg.log)
+
+
+def _check_extras(log: LogConfig) -> None:
+    """An optional sink whose package is missing fails here, before any worker starts."""
+    import importlib.util
+
+    for key, enabled, module in (("log.tensorboard", log.tensorboard, "tensorboard"),
+                                 ("log.wandb_project", log.wandb_project, "wandb"),
+                                 ("log.mlflow_experiment", log.mlflow_experiment, "mlflow")):
+        if enabled and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"config key '{key}': the {module} package is not installed "
+                              f"(pip install 'phalanx[{module}]')")
 
 
 def check_world(cfg: Config, world_size: int) -> int:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,11 +40,12 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
     lo, hi = _parse_nnodes(nnodes)
     if nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node: expected >= 1, got {nproc_per_node}")
-    for n in sorted({lo, hi}):
+    for n in range(lo, hi + 1):  # elastic membership may settle on any node count in the range
         check_world(cfg, n * nproc_per_node)
     problem = dist.check_backend(dist.pick_backend(cfg.dist.backend))
     if problem:
         raise ConfigError(problem)
+    check_hardware(cfg)
     from .tasks import get_task
     task_cls = get_task(cfg.task)
     if hasattr(task_cls, "preflight"):
@@ -63,6 +66,27 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
         if changed:
             raise ConfigError(f"checkpoint '{path}' was made with different training settings: "
                               f"{', '.join(changed)}; use --fresh to start over or --force-resume")
+
+
+def check_hardware(cfg: Config) -> None:
+    """train.precision and train.compile against the device the workers will use (errors only; each
+    worker prints the warnings, e.g. emulated fp16 on CPU, with the precision it picked)."""
+    from . import dist, precision
+
+    device_type = "cuda" if dist.pick_backend(cfg.dist.backend) == "nccl" else "cpu"
+    precision.check_precision(cfg.train.precision, device_type)
+    if cfg.train.compile:
+        precision.check_compile(device_type)
+
+
+def check_multinode(nnodes: str, rdzv_endpoint: str, fresh: bool) -> None:
+    """Flags that only make sense together when one launcher runs per node."""
+    if _parse_nnodes(nnodes)[1] > 1 and not rdzv_endpoint:
+        raise ConfigError(f"--nnodes {nnodes}: more than one node needs --rdzv-endpoint HOST:PORT (the same "
+                          f"on every node, e.g. the first node's address) and --rdzv-id")
+    if rdzv_endpoint and fresh:
+        raise ConfigError("--fresh with --rdzv-endpoint: every node's launcher would move the run folder "
+                          "aside; move it once before starting the nodes, or give a new --run-dir")
 
 
 def move_aside(run_dir: Path) -> Path | None:
@@ -94,6 +118,7 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     if not isinstance(cfg, Config):
         cfg = load_config(cfg, list(overrides))
     run_dir = Path(cfg.run_dir)
+    check_multinode(nnodes, rdzv_endpoint, fresh)
     if fresh:
         old = move_aside(run_dir)
         if old:
@@ -104,8 +129,7 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
         from .dist import default_threads
         cfg.dist.threads_per_worker = default_threads(nproc_per_node)
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.yaml"
-    save_yaml(cfg, config_path)
+    config_path = worker_config(cfg, run_dir, multinode=bool(rdzv_endpoint))
     for marker in ("PREEMPTED", "error.json"):
         (run_dir / marker).unlink(missing_ok=True)
     shutil.rmtree(run_dir / "hang", ignore_errors=True)
@@ -117,6 +141,9 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    # Slurm's pre-timeout signal: the elastic agent does not handle SIGUSR1, so hand it to the workers,
+    # which save and stop exactly as on SIGTERM.
+    signal.signal(signal.SIGUSR1, _forward_to_workers)
     args = trun.get_args_parser().parse_args(
         torchrun_args(config_path, nproc_per_node, nnodes, rdzv_endpoint, rdzv_id, max_restarts))
     failure = None
@@ -126,7 +153,33 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
         failure = e
     except SignalException as e:
         failure = e
+    finally:
+        if config_path.parent != run_dir:
+            config_path.unlink(missing_ok=True)
     return outcome(run_dir, failure)
+
+
+def worker_config(cfg: Config, run_dir: Path, multinode: bool) -> Path:
+    """The config file this launcher's workers read. One node: RUN/config.yaml. Several nodes: a file
+    private to this launcher, because launchers sharing the run folder must not overwrite each other's
+    (a node's threads_per_worker follows its own core count); global rank 0 writes RUN/config.yaml."""
+    if not multinode:
+        save_yaml(cfg, run_dir / "config.yaml")
+        return run_dir / "config.yaml"
+    fd, name = tempfile.mkstemp(prefix="phalanx-config-", suffix=".yaml")
+    os.close(fd)
+    save_yaml(cfg, name)
+    return Path(name)
+
+
+def _forward_to_workers(signum, frame) -> None:
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.send_signal(signum)
+        except psutil.Error:
+            pass
 
 
 def outcome(run_dir: Path, failure) -> int:
@@ -159,5 +212,6 @@ def run_as_worker(cfg: Config) -> int:
     from .train import train
 
     check_world(cfg, int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))))
+    check_hardware(cfg)
     summary = train(cfg)
     return EXIT_PREEMPTED if summary.get("preempted") else EXIT_OK

@@ -63,3 +63,14 @@ def test_export_loads_with_transformers_and_generates(one_and_two):
     assert out.shape[1] == ids.shape[1] + 8
     proc = phalanx("generate", one_and_two[2], "--prompt", "ROMEO:", "--max-new-tokens", "10", check=True)
     assert proc.stdout.startswith("ROMEO:") and len(proc.stdout) > len("ROMEO:")
+
+
+def test_continue_from_a_local_pretrained_folder(one_and_two, tmp_path, cache_dir):
+    """model.pretrained = a local Hugging Face folder: its weights and tokenizer are used."""
+    run = tmp_path / "ft"
+    phalanx(*lm_args(run, cache_dir, "train.max_steps=2", f"model.pretrained={one_and_two[1] / 'final'}"),
+            check=True, timeout=120)
+    scratch_first = train_losses(one_and_two[1])[1]
+    trained_last = train_losses(one_and_two[1])[12]
+    first = train_losses(run)[1]
+    assert first < scratch_first and abs(first - trained_last) < 0.5 * (scratch_first - trained_last)

@@ -105,7 +105,8 @@ def test_kill_during_checkpoint_write_falls_back_to_previous(tmp_path, small_tex
     assert_same_run(run, baseline, rel=0.0)
 
 
-def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, small_text, cache_dir, baseline):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_signal_saves_exits_75_and_resumes_exactly(tmp_path, small_text, cache_dir, baseline, sig):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "phalanx", *map(str, args(run, small_text, cache_dir)), "--nproc-per-node", "2"]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -115,7 +116,7 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, small_text, cache_
         if (run / "metrics.jsonl").exists() and any(m.get("step", 0) >= 2 for m in metrics(run)):
             break
         time.sleep(0.05)
-    launcher.send_signal(signal.SIGTERM)
+    launcher.send_signal(sig)
     out, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 75, err[-3000:]
     marker = json.loads((run / "PREEMPTED").read_text())

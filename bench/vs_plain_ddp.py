@@ -1,0 +1,94 @@
+"""Foundation benchmark: phalanx vs a plain hand-written DDP loop, same model, data and micro-batch.
+
+GPT-2 style (4 layers, 4 heads, width 256, block 128, BPE vocab 4096, micro-batch 8) on Tiny
+Shakespeare. Shapes: 1 process x 1 thread, 2 processes x 1 thread, 1 process x 2 threads. Runs
+alternate (plain, phalanx, plain, phalanx, ...) so machine noise hits both. tokens/s is measured on
+wall-clock time between the end of the warm-up steps and the last step (phalanx: metrics.jsonl
+timestamps; plain: its per-step timestamps); time to first step is from command start.
+
+    python bench/vs_plain_ddp.py [--steps 40] [--repeats 2] [--extra train.precision=bf16]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+SHAPES = [(1, 1), (2, 1), (1, 2)]  # (processes, threads per process)
+WARMUP = 5
+
+
+def rate(points: list[tuple[int, float, int]]) -> float:
+    """tokens/s from (step, wall time, tokens) after the warm-up steps."""
+    pts = [p for p in points if p[0] >= WARMUP]
+    if len(pts) < 2:
+        return float("nan")
+    return sum(p[2] for p in pts[1:]) / (pts[-1][1] - pts[0][1])
+
+
+def run_phalanx(nproc, threads, steps, work, cache, extra) -> tuple[float, float]:
+    run = Path(tempfile.mkdtemp(dir=work))
+    cmd = [sys.executable, "-m", "phalanx", "train", str(REPO / "examples" / "shakespeare.yaml"),
+           f"data.train={DATA}", f"data.cache_dir={cache}", f"train.max_steps={steps}", "train.log_every=1",
+           "train.eval_every=0", "train.checkpoint_every=0", f"train.global_batch_size={8 * nproc}",
+           "train.micro_batch_size=8", f"dist.threads_per_worker={threads}", "log.progress=off",
+           "train.eval_max_samples=8", "--nproc-per-node", str(nproc), "--run-dir", str(run), *extra]
+    t0 = time.time()
+    subprocess.run(cmd, check=True, capture_output=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    pts = [(m["step"], m["time_s"], int(m["tokens_per_s"] * m["step_time_s"])) for m in lines
+           if "loss" in m and "event" not in m]
+    return rate(pts), pts[0][1] - t0
+
+
+def run_plain(nproc, threads, steps, tokens_file) -> tuple[float, float]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(REPO / "bench" / "plain_ddp.py"), "--tokens", str(tokens_file), "--steps", str(steps),
+           "--threads", str(threads)]
+    t0 = time.time()
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+    lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    pts = [(m["step"], m["time_s"], m["tokens"]) for m in lines]
+    return rate(pts), pts[0][1] - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--extra", nargs="*", default=[], help="extra phalanx overrides (e.g. train.precision=bf16)")
+    a = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="phalanx-bench-"))
+    cache = work / "cache"
+    run_phalanx(1, 2, 2, work, cache, a.extra)  # builds the tokenizer + token cache once, untimed
+    sizes = {f: f.stat().st_size for f in cache.glob("tokens-*.npy")}
+    tokens_file = max(sizes, key=sizes.get)  # the training split is the larger array
+    results = {}
+    for rep in range(a.repeats):
+        for shape in SHAPES:
+            for impl in ("plain", "phalanx"):
+                fn = (lambda: run_plain(*shape, a.steps, tokens_file)) if impl == "plain" else \
+                    (lambda: run_phalanx(*shape, a.steps, work, cache, a.extra))
+                results.setdefault((impl, shape), []).append(fn())
+    print(f"\n{'shape':<22}{'plain tok/s':>12}{'phalanx tok/s':>15}{'ratio':>8}{'plain 1st step s':>18}"
+          f"{'phalanx 1st step s':>20}")
+    best = {k: (max(r for r, _ in v), min(s for _, s in v)) for k, v in results.items()}
+    for shape in SHAPES:
+        (pr, ps), (xr, xs) = best[("plain", shape)], best[("phalanx", shape)]
+        print(f"{f'{shape[0]} proc x {shape[1]} thread':<22}{pr:>12.0f}{xr:>15.0f}{xr / pr:>8.3f}{ps:>18.1f}{xs:>20.1f}")
+    for impl in ("plain", "phalanx"):
+        speedup = best[(impl, (2, 1))][0] / best[(impl, (1, 1))][0]
+        print(f"2-process speedup over 1 process x 1 thread ({impl}): {speedup:.2f}x")
+    print(f"(best of {a.repeats} alternating runs, {a.steps} steps, first {WARMUP} skipped; extra: {a.extra or 'none'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo test test-all bench docs clean
 
 setup: $(VENV)/.stamp
 
@@ -29,6 +29,9 @@ test-all: setup      ## every test, slow ones included
 
 bench: setup         ## foundation benchmark: phalanx vs a plain DDP loop
 	$(BIN)/python bench/vs_plain_ddp.py
+
+docs: setup         ## regenerate the README's config table from the schema
+	$(BIN)/python -c "import re,pathlib; from phalanx.config import describe_markdown as d; p=pathlib.Path('README.md'); s=p.read_text(); p.write_text(re.sub(r'(<!-- CONFIG-KEYS -->\n).*?(<!-- /CONFIG-KEYS -->)', lambda m: m.group(1)+chr(10).join(d())+chr(10)+m.group(2), s, flags=re.S))"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -41,7 +41,8 @@ def run_once(args, train: Path, grouped: bool, run_dir: Path, cache: Path) -> di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "sst2"), help="folder with train/validation.jsonl")
+    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "sst2"),
+                   help="folder with train.jsonl and validation.jsonl")
     p.add_argument("--rows", type=int, default=8000, help="first N rows of SST-2 train")
     p.add_argument("--rounds", type=int, default=2, help="pairs of runs (grouped, plain), alternating")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
@@ -64,11 +65,13 @@ def main() -> None:
     for i, r in enumerate(results):
         print(f"| {i} | {'on' if r['grouped'] else 'off'} | {r['pad_fraction']:.3f} | {r['useful_tokens_per_s']:.0f} | "
               f"{r['tokens_per_s']:.0f} | {r['step_time_s']:.3f} |")
-    mean = {g: {k: statistics.mean(r[k] for r in results if r["grouped"] == g) for k in results[0] if k != "grouped"}
+    mean = {g: {k: statistics.mean(r[k] for r in results if r["grouped"] == g) for k in ("pad_fraction",
+                                                                                       "useful_tokens_per_s")}
             for g in (True, False)}
-    print(f"\npad_fraction: grouped {mean[True]['pad_fraction']:.3f}, plain {mean[False]['pad_fraction']:.3f}; "
-          f"useful tokens/s: grouped {mean[True]['useful_tokens_per_s']:.0f}, plain "
-          f"{mean[False]['useful_tokens_per_s']:.0f} ({mean[True]['useful_tokens_per_s'] / mean[False]['useful_tokens_per_s']:.2f}x)")
+    on, off = mean[True], mean[False]
+    print(f"\nmean pad_fraction: grouped {on['pad_fraction']:.3f}, plain {off['pad_fraction']:.3f}; mean useful "
+          f"tokens/s: grouped {on['useful_tokens_per_s']:.0f}, plain {off['useful_tokens_per_s']:.0f} "
+          f"({on['useful_tokens_per_s'] / off['useful_tokens_per_s']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def epoch_assignments(n, global_bs, micro, world, seed, epoch, order=None):
     return per_rank
 
 
-@pytest.mark.parametrize("n,world", [(100, 1), (100, 2), (101, 3), (37, 4), (64, 2)])
+@pytest.mark.parametrize("n,world", [(100, 1), (100, 2), (101, 3), (37, 4), (64, 2), (99, 2), (103, 1), (102, 4)])
 @pytest.mark.parametrize("grouped", [False, True])
 def test_every_sample_exactly_once_per_epoch_disjoint_across_ranks(n, world, grouped):
     micro = 4
@@ -76,6 +76,31 @@ def test_length_grouping_reduces_padding():
     plain = np.random.default_rng(1).permutation(len(lengths))
     assert sorted(grouped) == list(range(len(lengths)))
     assert pad_fraction(grouped) < 0.1 < pad_fraction(plain)
+
+
+def test_grouped_order_is_deterministic_and_changes_with_epoch():
+    lengths = np.random.default_rng(0).integers(1, 60, size=203)
+    a = GlobalBatchSampler(203, 16, 4, seed=5, order=length_grouped_order(lengths, 4, mega_batches=8))
+    b = GlobalBatchSampler(203, 16, 4, seed=5, order=length_grouped_order(lengths, 4, mega_batches=8))
+    c = GlobalBatchSampler(203, 16, 4, seed=6, order=length_grouped_order(lengths, 4, mega_batches=8))
+    for epoch in (0, 1, 2):
+        assert np.array_equal(a.epoch_indices(epoch), b.epoch_indices(epoch))
+        assert sorted(a.epoch_indices(epoch)) == list(range(203))
+    assert not np.array_equal(a.epoch_indices(0), a.epoch_indices(1))
+    assert not np.array_equal(a.epoch_indices(0), c.epoch_indices(0))
+
+
+def test_grouping_stays_aligned_with_micro_batches_in_later_epochs():
+    """n not a multiple of the micro-batch: epoch e starts mid micro-batch, and the groups follow it."""
+    lengths = np.random.default_rng(0).integers(5, 120, size=4001)
+    micro, gbs = 16, 64
+    s = GlobalBatchSampler(len(lengths), gbs, micro, seed=2, order=length_grouped_order(lengths, micro))
+    stream = s.stream(0, 3 * len(lengths) + 3)  # epochs 0, 1, 2 as the loop consumes them
+    mbs = [stream[i:i + micro] for i in range(0, len(stream) - micro + 1, micro)]
+    for epoch in (0, 1, 2):
+        inside = mbs[epoch * len(lengths) // micro + 1:(epoch + 1) * len(lengths) // micro - 1]
+        padded = sum(len(mb) * lengths[mb].max() for mb in inside)
+        assert 1 - sum(lengths[mb].sum() for mb in inside) / padded < 0.1, f"epoch {epoch}"
 
 
 @pytest.mark.parametrize("n,world", [(872, 3), (10, 4), (3, 4)])

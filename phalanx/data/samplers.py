@@ -34,16 +34,22 @@ def length_grouped_order(lengths: Sequence[int], micro_batch_size: int, mega_bat
 
     def order(epoch: int, rng: np.random.Generator) -> np.ndarray:
         perm = rng.permutation(n)
+        # The stream is cut into micro-batches at multiples of micro_batch_size counted from epoch 0, so
+        # when n is not a multiple, epoch e starts `lead` positions before a cut: those samples complete
+        # the previous epoch's last micro-batch, and the groups start after them (else every micro-batch
+        # of the epoch would straddle two groups).
+        lead = min((-epoch * n) % micro_batch_size, n)
+        rest = perm[lead:]
         chunks = []
-        for start in range(0, n, mega):
-            block = perm[start:start + mega]
+        for start in range(0, len(rest), mega):
+            block = rest[start:start + mega]
             chunks.append(block[np.argsort(-lengths[block], kind="stable")])
-        grouped = np.concatenate(chunks) if chunks else perm
-        micro = [grouped[i:i + micro_batch_size] for i in range(0, n, micro_batch_size)]
+        grouped = np.concatenate(chunks) if chunks else rest
+        micro = [grouped[i:i + micro_batch_size] for i in range(0, len(grouped), micro_batch_size)]
         # Keep a trailing short micro-batch last so all others stay full within the epoch.
-        head, tail = (micro[:-1], micro[-1:]) if n % micro_batch_size else (micro, [])
+        head, tail = (micro[:-1], micro[-1:]) if len(grouped) % micro_batch_size else (micro, [])
         picks = rng.permutation(len(head))
-        return np.concatenate([head[i] for i in picks] + tail) if micro else grouped
+        return np.concatenate([perm[:lead]] + [head[i] for i in picks] + tail)
 
     return order
 

@@ -1,0 +1,196 @@
+"""Labelled text for classification: rows -> texts, optional second texts and labels, label ids, token arrays.
+
+Every problem with the data is a `ConfigError` naming the file and line (JSONL) or row (CSV, Parquet,
+hub data), so the launcher can reject bad input before any worker starts. Tokenized splits are stored
+ragged (one flat id array + offsets), which is what dynamic padding and length grouping need.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ConfigError
+from . import sources
+
+
+@dataclass
+class Examples:
+    """Rows of one split. `spans` maps the first row of each source file to its name (for messages)."""
+    texts: list[str]
+    pairs: list[str] | None
+    labels: list | None
+    spans: list[tuple[int, str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def where(self, i: int) -> str:
+        """'data file X line L' (JSONL) or 'data file X row R' for row i (0-based, over all files)."""
+        starts = [s for s, _ in self.spans]
+        k = max(0, bisect.bisect_right(starts, i) - 1)
+        start, name = self.spans[k] if self.spans else (0, "?")
+        return _location(name, i - start)
+
+    def take(self, lo: int, hi: int) -> "Examples":
+        cut = (lambda xs: xs[lo:hi] if xs is not None else None)
+        spans = [(s - lo, n) for s, n in self.spans if s < hi]  # a negative start: the file began before lo
+        return Examples(cut(self.texts), cut(self.pairs), cut(self.labels), spans)
+
+
+def _location(name: str, row: int) -> str:
+    path = Path(name)
+    if path.suffix == ".jsonl" and path.is_file():
+        seen = -1  # blank lines are skipped when reading, so count only non-blank ones
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, 1):
+                seen += bool(line.strip())
+                if seen == row:
+                    return f"data file '{name}' line {lineno}"
+    kind = "data" if name.startswith("hf:") else "data file"
+    return f"{kind} '{name}' row {row + 1}"
+
+
+def _rows_of_file(path: Path, fmt: str, text_field: str) -> list[dict]:
+    if sources.format_of(path, fmt) == "text":  # plain text: one example per non-blank line
+        text = sources.read_records(str(path), "text", "data")[0]["text"]
+        rows = [{text_field: line} for line in text.splitlines() if line.strip()]
+        if not rows:
+            raise ConfigError(f"data file '{path}': no rows (empty file)")
+        return rows
+    return sources.read_records(str(path), fmt, "data")
+
+
+def _column(rows: list[dict], name: str, ex: Examples, offset: int, text: bool) -> list:
+    out = []
+    for i, row in enumerate(rows):
+        if name not in row:
+            raise ConfigError(f"{ex.where(offset + i)}: missing field '{name}' "
+                              f"(fields: {', '.join(sorted(map(str, row)))[:200]})")
+        value = row[name]
+        if text and not isinstance(value, str):
+            raise ConfigError(f"{ex.where(offset + i)}: field '{name}' should be text, got {type(value).__name__}")
+        if not text and (isinstance(value, bool) or not isinstance(value, (int, str))):
+            raise ConfigError(f"{ex.where(offset + i)}: field '{name}' should be an integer or a string label, "
+                              f"got {type(value).__name__} ({value!r})")
+        out.append(value)
+    return out
+
+
+def read_examples(spec: str, fmt: str, text_field: str, pair_field: str, label_field: str | None, key: str,
+                  split: str = "train") -> Examples:
+    """Texts (+ second texts when `pair_field`) and raw labels (when `label_field`) of a data source."""
+    if spec.startswith("hf:"):
+        parts = [(spec, sources.read_records(spec, fmt, key, split))]
+    else:
+        parts = [(str(p), _rows_of_file(p, fmt, text_field)) for p in sources.files_of(spec, key)]
+    ex = Examples([], [] if pair_field else None, [] if label_field else None)
+    for name, rows in parts:
+        offset = len(ex.texts)
+        ex.spans.append((offset, name))
+        ex.texts += _column(rows, text_field, ex, offset, text=True)
+        if pair_field:
+            ex.pairs += _column(rows, pair_field, ex, offset, text=True)
+        if label_field:
+            ex.labels += _column(rows, label_field, ex, offset, text=False)
+    if not ex.texts:
+        raise ConfigError(f"config key '{key}': '{spec}' holds no examples")
+    return ex
+
+
+def holdout(ex: Examples, fraction: float) -> tuple[Examples, Examples]:
+    """The last `fraction` of the rows as validation (deterministic: no shuffling)."""
+    cut = max(1, int(round(len(ex) * (1 - fraction))))
+    return ex.take(0, cut), ex.take(cut, len(ex))
+
+
+def label_names(train: Examples, configured: list[str]) -> list[str]:
+    """Class names in id order: `data.labels` when given, else the training labels sorted."""
+    kind = type(train.labels[0])
+    odd = next((i for i, v in enumerate(train.labels) if type(v) is not kind), None)
+    if odd is not None:
+        raise ConfigError(f"{train.where(odd)}: label {train.labels[odd]!r} mixes integer and string labels "
+                          f"(the first label is {train.labels[0]!r})")
+    if configured:
+        names = list(configured)
+        if len(set(names)) != len(names):
+            raise ConfigError(f"config key 'data.labels': repeated names in {names}")
+    else:
+        names = [str(v) for v in sorted(set(train.labels))]
+    if len(names) < 2:
+        raise ConfigError(f"config key 'data.labels': classification needs at least 2 labels, found {names}")
+    return names
+
+
+def label_ids(ex: Examples, names: list[str], configured: bool, train: Examples) -> np.ndarray:
+    """Class id of every row; a label outside the known classes names its file and line."""
+    if configured:
+        lookup = {**{n: i for i, n in enumerate(names)}, **{i: i for i in range(len(names))}}
+    else:
+        kind = type(train.labels[0])
+        lookup = {kind(n): i for i, n in enumerate(names)}
+    out = np.empty(len(ex), dtype=np.int64)
+    for i, value in enumerate(ex.labels):
+        if value not in lookup:
+            known = "data.labels" if configured else "the training data"
+            raise ConfigError(f"{ex.where(i)}: label {value!r} is not one of the labels of {known} "
+                              f"({', '.join(names)[:200]})")
+        out[i] = lookup[value]
+    return out
+
+
+class EncodedSet:
+    """Tokenized examples stored ragged: example i is ids[offsets[i]:offsets[i+1]]."""
+
+    FILES = ("ids", "types", "offsets", "labels")
+
+    def __init__(self, ids: np.ndarray, types: np.ndarray, offsets: np.ndarray, labels: np.ndarray):
+        self.ids, self.types, self.offsets, self.labels = ids, types, offsets, labels
+        self.lengths = np.diff(offsets)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = self.offsets[i], self.offsets[i + 1]
+        return self.ids[lo:hi], self.types[lo:hi]
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in self.FILES:
+            np.save(folder / f"{name}.npy", getattr(self, name))
+
+    @classmethod
+    def load(cls, folder: Path) -> "EncodedSet":
+        return cls(*(np.load(folder / f"{name}.npy", mmap_mode="r") for name in cls.FILES))
+
+
+def encode(tokenizer, ex: Examples, max_length: int, labels: np.ndarray | None,
+           chunk: int = 8192) -> EncodedSet:
+    """Tokenize with the tokenizer's special tokens, truncated to `max_length` (pairs: longest first)."""
+    ids, types, lengths = [], [], []
+    for lo in range(0, len(ex), chunk):
+        pairs = ex.pairs[lo:lo + chunk] if ex.pairs is not None else None
+        enc = tokenizer(ex.texts[lo:lo + chunk], pairs, truncation=True, max_length=max_length,
+                        return_token_type_ids=True, return_attention_mask=False)
+        for seq, typ in zip(enc["input_ids"], enc["token_type_ids"]):
+            ids.append(np.asarray(seq))
+            types.append(np.asarray(typ))
+            lengths.append(len(seq))
+    dtype = np.uint16 if len(tokenizer) <= 65536 else np.uint32
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dtype=dt))
+    return EncodedSet(flat(ids, dtype), flat(types, np.uint8), offsets,
+                      labels if labels is not None else np.zeros(len(lengths), dtype=np.int64))
+
+
+def save_meta(folder: Path, meta: dict) -> None:
+    (folder / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+
+
+def load_meta(folder: Path) -> dict:
+    return json.loads((folder / "meta.json").read_text(encoding="utf-8"))

@@ -78,8 +78,9 @@ def rng_state() -> dict:
     state = {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
              "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
              "torch": torch.get_rng_state().tolist()}
-    if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # This rank's device only: get_rng_state_all() would create a context on every GPU.
+        state["cuda"] = [torch.cuda.get_rng_state().tolist()]
     return state
 
 
@@ -89,8 +90,10 @@ def set_rng_state(state: dict) -> None:
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+        saved = state["cuda"]  # one entry (this rank's device), or one per device in older checkpoints
+        mine = saved[torch.cuda.current_device()] if len(saved) > 1 else saved[0]
+        torch.cuda.set_rng_state(torch.tensor(mine, dtype=torch.uint8))
 
 
 # ---- saving and loading -------------------------------------------------------------------------

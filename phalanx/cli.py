@@ -66,10 +66,10 @@ def cmd_train(args) -> int:
 def cmd_config(args) -> int:
     import yaml
 
-    from .config import describe, load_config, to_dict
+    from .config import describe, describe_markdown, load_config, to_dict
 
     if args.show:
-        print("\n".join(describe()).lstrip())
+        print("\n".join(describe_markdown() if args.markdown else describe()).lstrip())
         return 0
     config, overrides = _split_config_and_overrides(args.items)
     print(yaml.safe_dump(to_dict(load_config(config, overrides)), sort_keys=False), end="")
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved config, or every field with its doc (--show)")
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]")
     p.add_argument("--show", action="store_true", help="list every config key with type, default and doc")
+    p.add_argument("--markdown", action="store_true", help="with --show: as a Markdown table (as in the README)")
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("generate", help="sample text from a trained language model (RUN/final)")
     p.add_argument("run", help="run folder")

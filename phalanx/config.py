@@ -106,10 +106,15 @@ class TrainConfig:
     checkpoint_every_minutes: float = _f(0.0, "also checkpoint when this many minutes passed (0 = off)",
                                          min=0.0)
     keep_checkpoints: int = _f(2, "complete checkpoints to keep", min=1)
-    precision: str = _f("fp32", "autocast precision; auto = bf16 where the hardware runs it natively",
+    precision: str = _f("fp32", "autocast precision; auto = bf16 where the hardware runs it natively "
+                        "(CUDA compute capability >= 8.0, or a CPU with AVX512-BF16/AMX), else fp32; fp16 "
+                        "adds a dynamic loss scaler whose state is checkpointed",
                         choices=["auto", "fp32", "bf16", "fp16"])
-    compile: bool = _f(False, "torch.compile the model (the uncompiled model is saved)")
-    strategy: str = _f("ddp", "data parallel strategy", choices=["ddp", "fsdp"])
+    compile: bool = _f(False, "torch.compile the model for training steps (the uncompiled model is "
+                       "saved, evaluated and exported)")
+    strategy: str = _f("ddp", "data parallel strategy: ddp = full replica per process; fsdp = FSDP2 "
+                       "fully_shard per transformer block, then the root (parameters, gradients and "
+                       "optimizer state sharded); checkpoints load into either", choices=["ddp", "fsdp"])
     nan_policy: str = _f("skip", "on a non-finite loss or gradient norm: skip the step or stop",
                          choices=["skip", "stop"])
     max_nan_skips: int = _f(5, "stop after this many consecutive skipped steps", min=1)
@@ -399,3 +404,19 @@ def describe(cls=Config, prefix: str = "") -> list[str]:
         extra = f"  one of {f.metadata['choices']}" if f.metadata.get("choices") else ""
         lines.append(f"  {prefix}{f.name} ({_type_name(tp)}, default {default!r}): {f.metadata['help']}{extra}")
     return lines
+
+
+def describe_markdown(cls=Config, prefix: str = "") -> list[str]:
+    """The same as `describe`, as Markdown table rows (the README's config section is generated from it)."""
+    rows = [] if prefix else ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe_markdown(tp, prefix + f.name + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        extra = f" One of: {', '.join(map(str, f.metadata['choices']))}." if f.metadata.get("choices") else ""
+        doc = (f.metadata["help"] + "." + extra).replace("|", "\\|")
+        rows.append(f"| `{prefix}{f.name}` | {_type_name(tp)} | `{default!r}` | {doc} |")
+    return rows

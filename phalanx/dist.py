@@ -77,8 +77,21 @@ def default_threads(local_world_size: int) -> int:
     return max(1, cores // max(1, local_world_size))
 
 
-def setup(backend_req: str = "auto", *, timeout_s: float = 600.0, threads: int = 0) -> DistInfo:
-    """Initialise the default process group from `env://` (torchrun, srun, or a lone process)."""
+def nccl_env(d) -> dict[str, str]:
+    """NCCL's own knobs from the `dist.nccl_*` config keys (the library reads them from the environment)."""
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": str(d.nccl_async_error_handling)}
+    if d.nccl_debug:
+        env["NCCL_DEBUG"] = d.nccl_debug
+    if d.nccl_socket_ifname:
+        env["NCCL_SOCKET_IFNAME"] = d.nccl_socket_ifname
+    return env
+
+
+def setup(backend_req: str = "auto", *, timeout_s: float = 600.0, threads: int = 0,
+          nccl: dict[str, str] | None = None, nccl_timeout_s: float = 0.0) -> DistInfo:
+    """Initialise the default process group from `env://` (torchrun, srun, or a lone process).
+
+    `nccl` (see nccl_env) and `nccl_timeout_s` apply only when the backend is NCCL."""
     if not under_torchrun():
         env = slurm_env() if under_srun() else {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                                                  "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -90,8 +103,14 @@ def setup(backend_req: str = "auto", *, timeout_s: float = 600.0, threads: int =
     local_world = int(e.get("LOCAL_WORLD_SIZE", "1"))
     backend = pick_backend(backend_req)
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)  # before any CUDA work, so nothing lands on device 0
-        device = torch.device("cuda", local_rank)
+        # One device per local rank; a worker that sees a single GPU (srun --gpus-per-task=1 sets
+        # CUDA_VISIBLE_DEVICES per task) uses that one. set_device before any CUDA work, so no
+        # context lands on device 0.
+        index = 0 if torch.cuda.device_count() == 1 else local_rank
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
+        os.environ.update(nccl or {})  # before the communicator is created, which reads them
+        timeout_s = nccl_timeout_s or timeout_s
     else:
         device = torch.device("cpu")
     torch.set_num_threads(threads or default_threads(local_world))

@@ -1,7 +1,8 @@
 """Test-only fault injection (`debug.fault`), so failure handling is tested with real failures.
 
-Form: `KIND:key=value:...` with KIND one of kill, raise, sleep, nan and keys rank (default: every
-rank), step (the optimizer step at which it fires), attempt (elastic attempt, default 0), seconds (sleep).
+Form: `KIND:key=value:...` with KIND one of kill, raise, sleep, nan, slow and keys rank (default: every
+rank), step (the optimizer step at which it fires), attempt (elastic attempt, default 0), seconds (sleep,
+slow). `slow` fires at every step from `step` on (a straggler: the rank sleeps in its data phase).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-KINDS = ("kill", "raise", "sleep", "nan", "kill_in_checkpoint")
+KINDS = ("kill", "raise", "sleep", "nan", "kill_in_checkpoint", "slow")
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class Fault:
     seconds: float = 0.0
 
     def applies(self, rank: int, step: int, attempt: int) -> bool:
-        return step == self.step and attempt == self.attempt and self.rank in (None, rank)
+        at_step = step >= self.step if self.kind == "slow" else step == self.step
+        return at_step and attempt == self.attempt and self.rank in (None, rank)
 
 
 def parse_fault(text: str) -> Fault | None:
@@ -54,5 +56,5 @@ def fire(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == "raise":
         raise RuntimeError(f"injected failure (debug.fault) at step {fault.step}")
-    elif fault.kind == "sleep":
+    elif fault.kind in ("sleep", "slow"):
         time.sleep(fault.seconds)

@@ -63,11 +63,19 @@ def wrap(model: nn.Module, strategy: str, info) -> nn.Module:
     if info.world_size == 1:
         return model
     if strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.device_mesh import init_device_mesh
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
 
+        # An explicit mesh on the worker's device: the default is CUDA whenever CUDA exists, which is
+        # wrong for a Gloo/CPU run on a GPU machine. Blocks first, then the root (embeddings, head):
+        # each block's all-gather overlaps the previous block's compute.
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
         for block in transformer_blocks(model):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -81,6 +89,19 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
         if isinstance(module, nn.ModuleList) and len(module) > 0:
             return list(module)
     return []
+
+
+def tie_shared(state: dict, model: nn.Module) -> dict:
+    """Point the entries of a parameter shared by several modules (tied embeddings) at one tensor.
+
+    A full state dict gathered from FSDP2 shards holds a separate copy per name, so save_pretrained
+    would not recognise the tie and would write the weight twice."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(param), name)
+        if owner != name and owner in state and name in state:
+            state[name] = state[owner]
+    return state
 
 
 def unwrap(model: nn.Module) -> nn.Module:

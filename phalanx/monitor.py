@@ -1,43 +1,18 @@
 """Metrics and progress: rank 0 writes RUN/metrics.jsonl (and optional sinks) and shows progress.
 
 Every value's unit is in its key (`tokens_per_s`, `step_time_s`, `rss_mb`); training lines carry `step`,
-`loss`, `lr`, `tokens_per_s`, `step_time_s`; evaluation lines carry `step` and keys starting `eval/`.
+`loss`, `lr`, `tokens_per_s`, `step_time_s`; evaluation lines carry `step` and keys starting `eval/`;
+lines with an `event` key (checkpoint, straggler, nan_skip) mark things that happened. Per-rank values
+are lists indexed by rank under keys starting `ranks/` (see telemetry.py for what each time means).
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
 from pathlib import Path
 
-
-class JsonlSink:
-    def __init__(self, path: Path, truncate_after_step: int | None = None):
-        self.path = path
-        if truncate_after_step is not None and path.exists():
-            _truncate_after(path, truncate_after_step)
-        self.file = open(path, "a", encoding="utf-8")
-
-    def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record, allow_nan=True) + "\n")
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-
-def _truncate_after(path: Path, step: int) -> None:
-    """On resume, drop lines logged after the checkpoint so the file reads as one uninterrupted run."""
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a torn last line from a killed process
-        if rec.get("step", 0) <= step or rec.get("event"):
-            kept.append(line)
-    path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+from .sinks import JsonlSink, open_sinks  # noqa: F401  (JsonlSink: re-exported)
 
 
 class Progress:
@@ -85,13 +60,19 @@ def _fmt_time(seconds: float) -> str:
 class Monitor:
     """Rank 0's view of the run. Other ranks get a Monitor that does nothing."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool, progress: str, max_steps: int, start_step: int):
+    def __init__(self, run_dir: Path, *, enabled: bool, progress: str, max_steps: int, start_step: int,
+                 cfg=None):
+        """`cfg` (the run's Config) selects the optional sinks under `log.*`; without it, JSONL only."""
         self.enabled, self.max_steps = enabled, max_steps
         self.sinks = []
         self.progress = None
         self.t_start, self.start_step = time.time(), start_step
         if enabled:
-            self.sinks.append(JsonlSink(Path(run_dir) / "metrics.jsonl", truncate_after_step=start_step))
+            from .config import to_dict
+
+            self.sinks = open_sinks(cfg.log if cfg else None, Path(run_dir), start_step=start_step,
+                                    name=cfg.name if cfg else Path(run_dir).name,
+                                    config=to_dict(cfg) if cfg else {})
             self.progress = Progress(progress, max_steps, start_step)
 
     def log(self, record: dict) -> None:

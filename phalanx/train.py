@@ -19,16 +19,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import dist
+from . import dist, precision
 from .checkpoint import Checkpointer, set_rng_state
 from .data.samplers import GlobalBatchSampler
 from .config import Config, check_world, config_hash, load_config, relevant_subset, save_yaml
 from .evaluate import evaluate
 from .faults import fire, parse_fault
-from .model import count_parameters, unwrap, wrap
+from .model import count_parameters, tie_shared, unwrap, wrap
 from .monitor import Monitor
 from .optim import WarmupCosine, build_optimizer
 from .tasks import get_task
+from .telemetry import Telemetry
 from .watchdog import Watchdog
 
 PREEMPTED = "PREEMPTED"   # marker file: the run stopped cleanly on a signal and can be resumed
@@ -58,18 +59,6 @@ class PreemptionFlag:
 def micro_seed(seed: int, step: int, micro_id: int) -> int:
     """Seed for one micro-batch's randomness (dropout), independent of which rank runs it."""
     return int(np.random.SeedSequence([seed, step, micro_id]).generate_state(1)[0])
-
-
-def resolve_precision(requested: str, device: torch.device) -> torch.dtype | None:
-    """Autocast dtype for `train.precision` (None = fp32). `auto` = bf16 where it runs natively."""
-    if requested == "auto":
-        if device.type == "cuda":
-            native = torch.cuda.is_bf16_supported()
-        else:
-            native = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and \
-                torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return torch.bfloat16 if native else None
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[requested]
 
 
 def sync_context(wrapped, model, sync: bool):
@@ -104,7 +93,8 @@ def train(cfg: Config | str) -> dict:
     if not isinstance(cfg, Config):
         cfg = load_config(str(cfg))
     info = dist.setup(cfg.dist.backend, timeout_s=max(cfg.dist.startup_timeout_s, cfg.dist.timeout_s) + 60,
-                      threads=cfg.dist.threads_per_worker)
+                      threads=cfg.dist.threads_per_worker, nccl=dist.nccl_env(cfg.dist),
+                      nccl_timeout_s=cfg.dist.nccl_timeout_s)
     watchdog = Watchdog(Path(cfg.run_dir) / "hang", info.rank, cfg.dist.startup_timeout_s).start()
     try:
         summary = _train(cfg, info, watchdog)
@@ -146,26 +136,28 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     model = task.build_model().to(info.device)   # the raw model: saved and exported, never the wrapper
     n_params = count_parameters(model)
     wrapped = wrap(model, t.strategy, info)
-    compiled = torch.compile(wrapped) if t.compile else wrapped
+    compiled = torch.compile(wrapped) if t.compile else wrapped  # forward only; `model` is what is saved
     optimizer = build_optimizer(model, t)
     schedule = WarmupCosine(t)
-    amp_dtype = resolve_precision(t.precision, info.device)
-    scaler = torch.amp.GradScaler(info.device.type, enabled=amp_dtype == torch.float16)
-
-    def autocast():
-        return torch.autocast(info.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
+    amp_dtype, warnings = precision.check_precision(t.precision, info.device.type)
+    scaler = precision.make_scaler(info.device, amp_dtype)
+    autocast = precision.autocast_factory(info.device, amp_dtype)
+    for warning in warnings:
+        _say(info, f"phalanx: warning: {warning}")
 
     _say(info, f"phalanx: task {cfg.task}, {n_params / 1e6:.2f}M parameters, world size {info.world_size} "
                f"({info.backend}, {torch.get_num_threads()} threads/process), global batch "
                f"{t.global_batch_size} = micro {t.micro_batch_size} x world {info.world_size} x accum {accum}, "
-               f"precision {str(amp_dtype).replace('torch.', '') if amp_dtype else 'fp32'}, strategy "
+               f"precision {precision.describe(t.precision, amp_dtype)}, strategy "
                f"{t.strategy if info.world_size > 1 else 'single'}")
 
     # ---- resume ------------------------------------------------------------------------------
     ckpt = Checkpointer(run_dir, info, t.keep_checkpoints)
     state = {"step": 0, "samples_seen": 0, "tokens_seen": 0, "nan_skips": 0, "train_time_s": 0.0}
     resume_from = ckpt.latest() if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "never" else None)
+    resumed_event = None
     if resume_from is not None:
+        t_load = time.perf_counter()
         meta, rank_state = ckpt.load(resume_from, model, optimizer)
         state.update(meta["train_state"])
         schedule.load_state_dict(meta["schedule"])
@@ -174,13 +166,21 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
         if rank_state:
             set_rng_state(rank_state["rng"])
         _say(info, f"phalanx: resumed from {resume_from} at step {state['step']} (saved by world size "
-                   f"{meta['world_size']}; sample offset {state['samples_seen']})")
+                   f"{meta['world_size']}; global sample offset {state['samples_seen']}; elastic attempt "
+                   f"{info.attempt})")
+        resumed_event = {"step": state["step"], "event": "resumed", "from": str(resume_from),
+                         "load_s": round(time.perf_counter() - t_load, 4), "attempt": info.attempt,
+                         "saved_world_size": meta["world_size"]}
     start_step = state["step"]
 
     sampler = GlobalBatchSampler(len(task.train_set), t.global_batch_size, t.micro_batch_size, t.seed,
                                  task.train_order())
     monitor = Monitor(run_dir, enabled=info.is_main, progress=cfg.log.progress, max_steps=t.max_steps,
-                      start_step=start_step)
+                      start_step=start_step, cfg=cfg)
+    if resumed_event:
+        monitor.log(resumed_event)
+    telemetry = Telemetry(info, cfg, n_params=n_params, model=model, wrapped=wrapped, amp_dtype=amp_dtype,
+                          monitor=monitor)
     preempt = PreemptionFlag()
     fault = parse_fault(cfg.debug.fault)
     watchdog.timeout_s = cfg.dist.timeout_s
@@ -196,7 +196,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
 
     # ---- the loop ----------------------------------------------------------------------------
     stop_reason, time_due, last_ckpt_time, eval_metrics = None, False, time.time(), {}
-    window = {"loss": 0.0, "tokens": 0, "targets": 0.0, "useful": 0.0, "time": 0.0, "steps": 0, "data": 0.0, "fwd_bwd": 0.0, "opt": 0.0}
+    window = {"loss": 0.0, "tokens": 0, "targets": 0.0, "useful": 0.0, "time": 0.0, "steps": 0}
     first_step_at = None
     while True:
         step = state["step"]
@@ -226,6 +226,9 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
         local_tokens = sum(task.batch_tokens(b) for b in batches)
         local_useful = sum(task.useful_tokens(b) for b in batches)
         ckpt_minutes_due = t.checkpoint_every_minutes and time.time() - last_ckpt_time > 60 * t.checkpoint_every_minutes
+        if fault and fault.kind == "slow" and fault.applies(info.rank, step, info.attempt):
+            fire(fault)  # test-only straggler: this rank's data phase is slow
+        t_sync = time.perf_counter()
         watchdog.beat(step, "sync")
         count, tokens, useful, stop_votes, time_votes = dist.all_reduce(
             [local_count, local_tokens, local_useful, float(preempt.requested), float(bool(ckpt_minutes_due))], info)
@@ -253,6 +256,11 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
         if math.isfinite(grad_norm):
             scaler.step(optimizer)
             state["consecutive_nan"] = 0
+        elif scaler.is_enabled() and not math.isfinite(dist.all_reduce([bad_micro], info, "min")[0]):
+            # fp16: finite losses but the scaled gradients overflowed. Routine for dynamic loss scaling:
+            # scaler.update() lowers the scale and the step is skipped; not a NaN (same on every rank).
+            state["fp16_overflows"] = state.get("fp16_overflows", 0) + 1
+            monitor.log({"step": step + 1, "event": "fp16_overflow", "loss_scale": scaler.get_scale()})
         else:  # identical on every rank: the norm is computed from all-reduced gradients
             (bad_micro,) = dist.all_reduce([bad_micro], info, "min")
             state["nan_skips"] += 1
@@ -282,9 +290,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
         window["useful"] += useful
         window["steps"] += 1
         window["time"] += t3 - t0
-        window["data"] += t1 - t0
-        window["fwd_bwd"] += t2 - t1
-        window["opt"] += t3 - t2
+        telemetry.step(t0, t_sync, t1, t2, t3, local_tokens)
 
         # ---- log ---------------------------------------------------------------------------
         step = state["step"]
@@ -297,9 +303,8 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
                 "tokens_per_s": window["tokens"] / window["time"], "step_time_s": window["time"] / n,
                 "useful_tokens_per_s": window["useful"] / window["time"],
                 "pad_fraction": 1 - window["useful"] / max(window["tokens"], 1),
-                "data_time_s": window["data"] / n, "fwd_bwd_time_s": window["fwd_bwd"] / n,
-                "optimizer_time_s": window["opt"] / n, "tokens_seen": state["tokens_seen"],
-                "epoch": state["samples_seen"] / len(task.train_set)})
+                "tokens_seen": state["tokens_seen"], "epoch": state["samples_seen"] / len(task.train_set),
+                **telemetry.collect(step)})  # time split, per-rank resources, MFU (a gather on all ranks)
             window = {k: 0.0 if isinstance(v, float) else 0 for k, v in window.items()}
 
     # ---- finish ------------------------------------------------------------------------------
@@ -319,7 +324,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
         "tokens_per_s": state["tokens_seen"] / max(state["train_time_s"], 1e-9),
         "wall_time_s": round(time.time() - t_launch, 3),
         "startup_s": round((first_step_at or time.time()) - t_launch, 3),
-        "resumed_from_step": start_step, **eval_metrics, **task.summary_extra()}
+        "resumed_from_step": start_step, **eval_metrics, **task.summary_extra(), **telemetry.summary()}
     if info.is_main:
         _write_json(run_dir / "summary.json", summary)
     monitor.message(f"phalanx: done at step {state['step']}; final model in {run_dir / 'final'}")
@@ -336,7 +341,7 @@ def export_final(model, task, run_dir: Path, info: dist.DistInfo) -> None:
         import shutil
         final, tmp = run_dir / "final", run_dir / ".final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrap(model).save_pretrained(tmp, state_dict=full)
+        unwrap(model).save_pretrained(tmp, state_dict=tie_shared(full, model))
         task.tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

@@ -54,3 +54,18 @@ def final_params(run_dir: Path) -> dict:
 def lm_args(run_dir: Path, cache: Path, *extra) -> list[str]:
     return ["train", f"data.train={SHAKESPEARE}", f"data.cache_dir={cache}", "--run-dir", str(run_dir),
             *TINY_LM, *extra]
+
+
+# One thread per worker: a run then gives bit-identical losses however its two workers are started
+# (one launcher, two launchers, srun), since the thread count changes the order of float sums. Gloo
+# also on a GPU machine: two workers of one node, or two "nodes" on one machine, would share a GPU.
+REFERENCE = ["train.max_steps=10", "train.checkpoint_every=5", "train.eval_max_samples=9",
+             "dist.threads_per_worker=1", "dist.backend=gloo"]
+
+
+@pytest.fixture(scope="session")
+def ddp2_reference(tmp_path_factory, cache_dir) -> Path:
+    """TINY_LM + REFERENCE under DDP at 2 processes: the trajectory multi-node, srun and FSDP runs match."""
+    run = tmp_path_factory.mktemp("ddp2-reference")
+    phalanx(*lm_args(run, cache_dir, *REFERENCE), "--nproc-per-node", 2, check=True, timeout=240)
+    return run

@@ -49,7 +49,13 @@ def build_once(path: Path, build: Callable[[Path], None], *, is_builder: bool, t
         tmp = _unique_tmp(path)
         try:
             build(tmp)
-            os.replace(tmp, path)  # atomic: readers see nothing or the whole artefact
+            try:
+                os.replace(tmp, path)  # atomic: readers see nothing or the whole artefact
+            except OSError:
+                # A folder cannot replace a non-empty one: another node's main process, sharing this
+                # cache folder, finished first. Its artefact is identical (same fingerprint); use it.
+                if not path.exists():
+                    raise
         finally:
             if tmp.is_dir():
                 shutil.rmtree(tmp, ignore_errors=True)

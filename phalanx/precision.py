@@ -1,0 +1,92 @@
+"""Mixed precision and compilation, checked against the hardware.
+
+`train.precision` picks an autocast dtype (fp32 = no autocast); fp16 adds a dynamic loss scaler whose
+state goes into the checkpoint. `auto` is bf16 only where the device runs it natively, as torch reports
+it (CUDA: compute capability >= 8.0; CPU: AVX512-BF16 or AMX-BF16 instructions) — emulated bf16 is
+slower than fp32 (DESIGN.md pitfall 6). The same check runs in the launcher (before workers start, so a
+bad choice fails fast with exit code 2) and in each worker (which reports what it picked).
+"""
+from __future__ import annotations
+
+import contextlib
+import shutil
+
+import torch
+
+from .config import ConfigError
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _cpu_has(*features: str) -> bool:
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return any(caps.get(f, False) for f in features)
+
+
+def native(dtype: torch.dtype, device_type: str) -> bool:
+    """Does this device compute in `dtype` natively (not emulated through fp32)?"""
+    if device_type == "cuda":
+        if dtype == torch.bfloat16:
+            try:
+                return torch.cuda.is_bf16_supported(including_emulation=False)
+            except TypeError:  # torch < 2.5 has no emulation flag and reports native support only
+                return torch.cuda.is_bf16_supported()
+        return True  # fp16 tensor cores since Volta; older GPUs still run fp16 natively
+    if dtype == torch.bfloat16:
+        return _cpu_has("avx512_bf16", "amx_bf16")
+    return _cpu_has("avx512_fp16", "amx_fp16")
+
+
+def check_precision(requested: str, device_type: str) -> tuple[torch.dtype | None, list[str]]:
+    """(autocast dtype or None for fp32, warnings). Raises ConfigError where the choice cannot work."""
+    if requested == "auto":
+        return (torch.bfloat16 if native(torch.bfloat16, device_type) else None), []
+    dtype = DTYPES[requested]
+    if dtype is None or native(dtype, device_type):
+        return dtype, []
+    if device_type == "cuda":  # only bf16 can get here
+        name = torch.cuda.get_device_name()
+        raise ConfigError(f"config key 'train.precision': bf16 is not native on {name} (compute capability "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability()))} < 8.0); use fp16 or auto")
+    why = {"bf16": "AVX512-BF16/AMX-BF16", "fp16": "AVX512-FP16/AMX-FP16"}[requested]
+    slower = "several times slower than fp32" if requested == "fp16" else "slower than fp32"
+    return dtype, [f"config key 'train.precision': {requested} on this CPU is emulated (torch reports no "
+                   f"{why} instructions) and typically {slower}; use auto or fp32"]
+
+
+def name(dtype: torch.dtype | None) -> str:
+    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def describe(requested: str, dtype: torch.dtype | None) -> str:
+    """What the start-up line says, e.g. 'bf16 (auto: native bf16 on cpu)'."""
+    if requested != "auto":
+        return name(dtype)
+    return f"{name(dtype)} (auto: {'native bf16' if dtype else 'no native bf16, so fp32'})"
+
+
+def autocast_factory(device: torch.device, dtype: torch.dtype | None):
+    """A zero-argument callable returning the autocast context for forward passes."""
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def make_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.GradScaler:
+    """Dynamic loss scaling for fp16 (disabled otherwise: its state_dict() is then {}). Its state is
+    plain floats/ints, so it is stored in the checkpoint's meta.json. Under FSDP2 the overflow flag
+    of sharded gradients is max-reduced over ranks by DTensor, so all ranks skip the same steps."""
+    return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+
+def check_compile(device_type: str) -> None:
+    """torch.compile's CPU backend (inductor) generates C++: fail before start-up without a compiler."""
+    if device_type != "cpu":
+        return
+    from torch._inductor import config as inductor_config
+
+    configured = inductor_config.cpp.cxx  # e.g. (None, "g++"), honouring $CXX
+    names = [c for c in (configured if isinstance(configured, tuple) else (configured,)) if c]
+    if not any(shutil.which(c) for c in names):
+        raise ConfigError("config key 'train.compile': torch.compile on CPU needs a C++ compiler (g++ or "
+                          "clang++) on PATH; install one or set train.compile=false")

@@ -1,0 +1,243 @@
+"""Per-rank cost accounting: where each step's time goes, CPU and memory, FLOPs and MFU, stragglers.
+
+The loop passes the time marks it takes anyway; each rank sums them over the log window. Only at log
+intervals does one all_gather of a few floats per rank bring every rank's numbers to rank 0, which
+turns them into metric keys (global ones, and `ranks/...` lists indexed by rank) and checks for
+stragglers. What each time means (seconds per optimizer step, averaged over the window and the ranks):
+
+  data_time_s          collate + copy of this rank's micro-batches
+  sync_time_s          the step-start scalar all-reduce (target count, stop votes), including waiting
+                       there for slower ranks
+  fwd_bwd_time_s       forward + backward of all micro-batches, including the part of DDP's gradient
+                       all-reduce that is not hidden behind backward
+  optimizer_time_s     unscale, clip, optimizer step, zero_grad
+  (these four add up to step_time_s)
+  comm_time_s          wall time during which a DDP gradient all-reduce was in flight (a comm hook that
+                       does DDP's default averaging all-reduce and records launch and completion);
+                       it overlaps backward, so it is not a fifth slice of the split
+  comm_exposed_time_s  the part of fwd_bwd after the last gradient bucket was launched, when backward
+                       has nothing left to do but wait for communication
+  ranks/busy_time_s    step - sync - comm_exposed: time a rank worked rather than waited for others
+
+Gradient communication is timed for DDP on Gloo only: NCCL futures complete when work is queued on
+a stream (host clocks would not see it) and FSDP has no comm hook; the comm keys are absent then.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+
+import psutil
+import torch
+import torch.distributed as tdist
+
+from . import dist
+from .stragglers import StragglerDetector
+
+MB = 2 ** 20
+WINDOW = ("steps", "time", "data", "sync", "fwd_bwd", "optimizer", "comm", "comm_exposed", "busy",
+          "tokens", "samples")
+RESOURCES = ("cpu_percent", "rss_mb", "host_peak_mb", "cuda_allocated_mb", "cuda_peak_mb")
+
+# Dense peak TFLOP/s per GPU: (16-bit tensor cores, fp32). Matched against torch.cuda.get_device_name
+# in order, so more specific names come first. Override with log.peak_tflops.
+GPU_PEAK_TFLOPS = (("H100 PCIe", 756, 51), ("H100", 989, 67), ("H200", 989, 67), ("GH200", 989, 67),
+                   ("B200", 2250, 80), ("A100", 312, 19.5), ("L40S", 362, 91.6), ("A10", 125, 31.2),
+                   ("L4", 121, 30.3), ("V100", 125, 15.7), ("T4", 65, 8.1), ("RTX 4090", 165, 82.6),
+                   ("RTX 3090", 71, 35.6))
+
+
+def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: float) -> float:
+    """Training FLOPs per token: 6N for the weight matmuls (forward 2N, backward 4N) plus 12·L·d·T for
+    attention scores and weighted values (PaLM appendix B, as in nanoGPT's estimate_mfu)."""
+    return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
+
+
+def peak_tflops(configured: float, device: torch.device, amp_dtype) -> tuple[float, str]:
+    """Peak TFLOP/s of one device (GPU) or one node's CPUs (configured only), and where it came from."""
+    if configured:
+        return configured, "log.peak_tflops"
+    if device.type != "cuda":
+        return 0.0, "unknown (set log.peak_tflops)"
+    name = torch.cuda.get_device_name(device)
+    for pattern, half, single in GPU_PEAK_TFLOPS:
+        if pattern in name:
+            return (half if amp_dtype in (torch.bfloat16, torch.float16) else single), name
+    return 0.0, f"unknown GPU {name!r} (set log.peak_tflops)"
+
+
+def host_peak_mb() -> float:
+    """Peak resident memory of this process (the kernel's high-water mark)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return psutil.Process().memory_info().peak_wset / MB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / MB if os.uname().sysname == "Darwin" else peak / 1024
+
+
+class CommTimer:
+    """DDP comm hook: DDP's default gradient averaging, plus launch/completion times of each bucket."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.spans: list[tuple[float, float]] = []
+        self.overhead_s = 0.0
+
+    @classmethod
+    def attach(cls, wrapped, info) -> CommTimer | None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(wrapped, DistributedDataParallel) or info.backend != "gloo":
+            return None
+        timer = cls(info.world_size)
+        wrapped.register_comm_hook(None, timer._hook)
+        return timer
+
+    def _hook(self, state, bucket):
+        t_in = time.perf_counter()
+        buffer = bucket.buffer().div_(self.world_size)
+        launched = time.perf_counter()
+        fut = tdist.all_reduce(buffer, async_op=True).get_future()
+        t_back = time.perf_counter()
+
+        def done(f):
+            self.spans.append((launched, time.perf_counter()))
+            return f.value()[0]
+
+        out = fut.then(done)
+        # Counted as overhead: everything but the all-reduce call (the div_ is work DDP does anyway).
+        self.overhead_s += (launched - t_in) + (time.perf_counter() - t_back)
+        return out
+
+    def take(self, backward_end: float) -> tuple[float, float]:
+        """(in-flight seconds, exposed seconds) of the step whose backward returned at `backward_end`."""
+        spans, self.spans = sorted(self.spans), []
+        if not spans:
+            return 0.0, 0.0
+        busy, cur_start, cur_end = 0.0, *spans[0]
+        for start, end in spans[1:]:
+            if start > cur_end:
+                busy, cur_start = busy + cur_end - cur_start, start
+            cur_end = max(cur_end, end)
+        busy += cur_end - cur_start
+        return busy, max(0.0, backward_end - spans[-1][0])
+
+
+class Telemetry:
+    """One per rank, made on every rank just before the loop (its constructor has a barrier).
+    `step()` after every optimizer step; `collect()` on every rank at log steps (a gather)."""
+
+    def __init__(self, info, cfg, *, n_params: int, model, wrapped, amp_dtype, monitor):
+        """`model` is the raw model (its config gives layers and width), `wrapped` what DDP returned."""
+        log_cfg = cfg.log
+        self.info, self.monitor, self.n_params = info, monitor, n_params
+        self.comm = CommTimer.attach(wrapped, info)
+        self.comm_measured = self.comm is not None or info.world_size == 1
+        self.samples_per_step = cfg.train.global_batch_size / info.world_size
+        mcfg = getattr(model, "config", None)
+        self.n_layer = getattr(mcfg, "num_hidden_layers", 0) or 0
+        self.d_model = getattr(mcfg, "hidden_size", 0) or 0
+        self.peak_tflops, self.peak_source = peak_tflops(log_cfg.peak_tflops, info.device, amp_dtype)
+        # GPU peaks are per device; a configured CPU peak is per node (its processes share the cores).
+        self.peak_units = info.world_size if info.device.type == "cuda" else \
+            max(1, info.world_size // max(info.local_world_size, 1))
+        self.stragglers = StragglerDetector(log_cfg.straggler_margin, log_cfg.straggler_windows)
+        self.process = psutil.Process()
+        self.process.cpu_percent(None)  # start the CPU-time interval that the first collect() reads
+        self.window = dict.fromkeys(WINDOW, 0.0)
+        self.overhead_s = self.train_s = 0.0
+        self.peaks = {"host_peak_mb": 0.0, "cuda_peak_mb": 0.0}
+        # Start every rank's clock together: otherwise the first step of a rank that finished set-up
+        # early absorbs the others' set-up time while it waits in the step-start all-reduce.
+        dist.barrier(info)
+
+    def step(self, t0: float, t_sync: float, t1: float, t2: float, t3: float, tokens: int) -> None:
+        """Account one optimizer step from the loop's time marks (start, sync, fwd_bwd, optimizer, end)."""
+        comm, exposed = self.comm.take(t2) if self.comm else (0.0, 0.0)
+        w = self.window
+        for key, value in (("steps", 1), ("time", t3 - t0), ("data", t_sync - t0), ("sync", t1 - t_sync),
+                           ("fwd_bwd", t2 - t1), ("optimizer", t3 - t2), ("comm", comm),
+                           ("comm_exposed", exposed), ("busy", (t3 - t0) - (t1 - t_sync) - exposed),
+                           ("tokens", tokens), ("samples", self.samples_per_step)):
+            w[key] += value
+        self.train_s += t3 - t0
+        self.overhead_s += time.perf_counter() - t3
+
+    def _resources(self) -> list[float]:
+        cuda = self.info.device.type == "cuda"
+        rss = self.process.memory_info().rss / MB
+        # The kernel updates the high-water mark lazily (per-thread counters), so it can trail RSS a little.
+        return [self.process.cpu_percent(None), rss, max(rss, host_peak_mb()),
+                torch.cuda.memory_allocated(self.info.device) / MB if cuda else math.nan,
+                torch.cuda.max_memory_allocated(self.info.device) / MB if cuda else math.nan]
+
+    def collect(self, step: int) -> dict:
+        """Gather the window from every rank (a collective: all ranks call it); rank 0 gets the keys."""
+        start = time.perf_counter()
+        rows = dist.all_gather_floats([self.window[k] for k in WINDOW] + self._resources(), self.info)
+        self.window = dict.fromkeys(WINDOW, 0.0)
+        record = {}
+        if self.info.is_main and rows[0][0] > 0:
+            cols = {name: [row[i] for row in rows] for i, name in enumerate(WINDOW + RESOURCES)}
+            record = self._record(cols)
+            self._check_stragglers(step, record["ranks/busy_time_s"])
+        self.overhead_s += time.perf_counter() - start
+        return record
+
+    def _record(self, cols: dict) -> dict:
+        steps = cols["steps"]
+
+        def per_step(key):
+            return [v / n for v, n in zip(cols[key], steps)]
+
+        rec = {f"{k}_time_s": _r(statistics.fmean(per_step(k))) for k in ("data", "sync", "fwd_bwd", "optimizer")}
+        if self.comm_measured:
+            rec["comm_time_s"] = _r(statistics.fmean(per_step("comm")))
+            rec["comm_exposed_time_s"] = _r(statistics.fmean(per_step("comm_exposed")))
+        wall = statistics.fmean(cols["time"])
+        tokens, samples = sum(cols["tokens"]), sum(cols["samples"])
+        rec["samples_per_s"] = _r(samples / wall)
+        fpt = flops_per_token(self.n_params, self.n_layer, self.d_model, tokens / max(samples, 1))
+        rec["flops_per_token"] = _r(fpt)
+        rec["model_tflops"] = _r(fpt * tokens / wall / 1e12)
+        if self.peak_tflops:
+            rec["mfu"] = _r(rec["model_tflops"] / (self.peak_tflops * self.peak_units))
+        rec["ranks/tokens_per_s"] = [_r(t / s) for t, s in zip(cols["tokens"], cols["time"])]
+        rec["ranks/samples_per_s"] = [_r(n / s) for n, s in zip(cols["samples"], cols["time"])]
+        rec["ranks/step_time_s"] = [_r(v) for v in per_step("time")]
+        rec["ranks/busy_time_s"] = [_r(v) for v in per_step("busy")]
+        for key in RESOURCES:
+            if not any(math.isnan(v) for v in cols[key]):
+                rec[f"ranks/{key}"] = [round(v, 1) for v in cols[key]]
+        for key in self.peaks:
+            if f"ranks/{key}" in rec:
+                rec[key] = max(rec[f"ranks/{key}"])
+                self.peaks[key] = max(self.peaks[key], rec[key])
+        return rec
+
+    def _check_stragglers(self, step: int, busy: list[float]) -> None:
+        for rank in self.stragglers.update(step, busy):
+            median = statistics.median_low(busy)
+            text = (f"rank {rank} is a straggler: busy {busy[rank] * 1e3:.1f} ms/step vs median "
+                    f"{median * 1e3:.1f} ms (more than {self.stragglers.margin:.0%} slower for "
+                    f"{self.stragglers.windows} log windows in a row)")
+            self.monitor.message(f"warning: {text}")
+            self.monitor.log({"step": step, "event": "straggler", "rank": rank, "message": text})
+
+    def summary(self) -> dict:
+        """What the run's measurement found and cost (for summary.json; complete on rank 0)."""
+        overhead = self.overhead_s + (self.comm.overhead_s if self.comm else 0.0)
+        out = {"stragglers": self.stragglers.summary(), "metrics_overhead_s": round(overhead, 4),
+               "metrics_overhead_pct": round(100 * overhead / max(self.train_s, 1e-9), 3),
+               "threads_per_process": torch.get_num_threads(),
+               "peak_tflops": self.peak_tflops, "peak_tflops_source": self.peak_source}
+        out.update({k: v for k, v in self.peaks.items() if v})
+        return out
+
+
+def _r(x: float) -> float:
+    """Six significant digits: enough for any plot, and metrics.jsonl stays small."""
+    return float(f"{x:.6g}")

@@ -1,0 +1,188 @@
+"""FSDP2 against DDP, checkpoints across strategies, mixed precision, torch.compile, NCCL settings."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import REFERENCE, final_params, lm_args, metrics, phalanx, train_losses
+
+# Tolerance for FSDP vs DDP. With 2 ranks both reduce a gradient as a + b (commutative: bit-identical
+# sums) and divide by 2 exactly; the only other difference is the clipping norm, a sum of per-shard
+# squared norms instead of one over whole tensors (fp32 rounding, ~1e-7 relative), which Adam can
+# amplify over steps. Measured: identical to the last bit over 10 steps; 1e-5 leaves headroom.
+FSDP_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory, cache_dir):
+    run = tmp_path_factory.mktemp("fsdp2")
+    phalanx(*lm_args(run, cache_dir, *REFERENCE, "train.strategy=fsdp"), "--nproc-per-node", 2, check=True,
+            timeout=240)
+    return run
+
+
+def _close(got: dict, want: dict, steps, rtol: float) -> None:
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=rtol), f"step {step}"
+
+
+def test_fsdp_matches_ddp_at_two_processes(fsdp2, ddp2_reference):
+    got, want = train_losses(fsdp2), train_losses(ddp2_reference)
+    assert sorted(got) == list(range(1, 11))
+    _close(got, want, range(1, 11), FSDP_RTOL)
+    # evaluate: 9 samples on 2 ranks of micro-batch 4, so rank 1 runs a throw-away forward to keep
+    # FSDP's all-gathers paired; the result equals DDP's.
+    e_got = [m for m in metrics(fsdp2) if "eval/loss" in m][-1]
+    e_want = [m for m in metrics(ddp2_reference) if "eval/loss" in m][-1]
+    assert e_got["eval/samples"] == e_want["eval/samples"] == 9
+    assert e_got["eval/loss"] == pytest.approx(e_want["eval/loss"], rel=FSDP_RTOL)
+
+
+def test_fsdp_export_is_a_plain_full_model(fsdp2, ddp2_reference):
+    from transformers import AutoModelForCausalLM
+
+    p_got, p_want = final_params(fsdp2), final_params(ddp2_reference)
+    assert p_got.keys() == p_want.keys()  # the tied lm_head is not written twice
+    for name in p_want:
+        torch.testing.assert_close(p_got[name], p_want[name], rtol=FSDP_RTOL, atol=1e-6, msg=name)
+    model = AutoModelForCausalLM.from_pretrained(fsdp2 / "final")
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+
+
+def test_fsdp_checkpoint_resumes_under_ddp_at_one_process(fsdp2, tmp_path, cache_dir):
+    run = tmp_path / "ddp1"
+    proc = phalanx(*lm_args(run, cache_dir, *REFERENCE), "--resume", fsdp2 / "checkpoints" / "step_000005",
+                   check=True, timeout=240)
+    assert "saved by world size 2" in proc.stdout
+    got, want = train_losses(run), train_losses(fsdp2)
+    assert sorted(got) == list(range(6, 11))
+    _close(got, want, range(6, 11), FSDP_RTOL)
+
+
+def test_ddp_checkpoint_resumes_under_fsdp(ddp2_reference, tmp_path, cache_dir):
+    run = tmp_path / "fsdp-from-ddp"
+    phalanx(*lm_args(run, cache_dir, *REFERENCE, "train.strategy=fsdp"), "--nproc-per-node", 2,
+            "--resume", ddp2_reference / "checkpoints" / "step_000005", check=True, timeout=240)
+    _close(train_losses(run), train_losses(ddp2_reference), range(6, 11), FSDP_RTOL)
+
+
+@pytest.mark.slow
+def test_fsdp_launches_exit_cleanly_every_time(tmp_path, cache_dir):
+    """DESIGN.md pitfall 2 (FSDP2 once aborted at exit in 5 launches): 6 short launches, all exit 0."""
+    for i in range(6):
+        run = tmp_path / f"r{i}"
+        proc = phalanx(*lm_args(run, cache_dir, "train.max_steps=2", "train.eval_max_samples=8",
+                                "dist.threads_per_worker=1", "dist.backend=gloo", "train.strategy=fsdp"),
+                       "--nproc-per-node", 2, timeout=180)
+        assert proc.returncode == 0, f"launch {i}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+        assert (run / "summary.json").is_file()
+
+
+# ---- mixed precision ----------------------------------------------------------------------------
+# fp16 is emulated on most CPUs (several times slower), so its runs use one micro-batch per step.
+SMALL = ["train.global_batch_size=4", "train.micro_batch_size=4", "train.max_steps=4",
+         "train.checkpoint_every=2", "train.eval_max_samples=8"]
+
+
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_mixed_precision_runs_and_resumes_exactly(prec, tmp_path, cache_dir):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    proc = phalanx(*lm_args(full, cache_dir, *SMALL, f"train.precision={prec}"), check=True, timeout=240)
+    assert f"precision {prec}" in proc.stdout
+    meta = json.loads((full / "checkpoints" / "step_000002" / "meta.json").read_text())
+    if prec == "fp16":
+        # the scaler's state is plain JSON and is carried into the resumed run
+        assert meta["scaler"]["scale"] > 0 and meta["scaler"]["_growth_tracker"] == 2
+    else:
+        assert meta["scaler"] == {}
+    phalanx(*lm_args(resumed, cache_dir, *SMALL, f"train.precision={prec}"),
+            "--resume", full / "checkpoints" / "step_000002", check=True, timeout=240)
+    _close(train_losses(resumed), train_losses(full), (3, 4), 1e-6)
+    end = json.loads((resumed / "checkpoints" / "step_000004" / "meta.json").read_text())
+    if prec == "fp16":
+        assert end["scaler"]["_growth_tracker"] == 4  # continued from 2, not restarted from 0
+    assert train_losses(full)[1] == pytest.approx(math.log(512), abs=0.1)  # an untrained model's loss
+
+
+def test_a_nan_under_fp16_is_a_nan_not_a_scaler_overflow(tmp_path, cache_dir):
+    """fp16 skips overflowing steps silently (the scaler lowers its scale); a NaN loss is still named."""
+    run = tmp_path / "nan16"
+    phalanx(*lm_args(run, cache_dir, *SMALL, "train.checkpoint_every=0", "train.max_steps=3",
+                     "train.precision=fp16", "debug.fault=nan:step=1"), check=True, timeout=240)
+    events = [m for m in metrics(run) if "event" in m]
+    assert [e["event"] for e in events if e["event"] in ("nan_skip", "fp16_overflow")] == ["nan_skip"]
+    assert "micro-batch" in next(e for e in events if e["event"] == "nan_skip")["where"]
+
+
+def test_scaler_state_round_trips_through_json():
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    state = json.loads(json.dumps(scaler.state_dict()))
+    other = torch.amp.GradScaler("cpu")
+    other.load_state_dict(state)
+    assert other.state_dict() == scaler.state_dict() and other.get_scale() == 1024.0
+
+
+def test_precision_choices_follow_the_hardware(monkeypatch):
+    from phalanx import precision
+    from phalanx.config import ConfigError
+
+    caps = {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    assert precision.check_precision("auto", "cpu") == (torch.bfloat16, [])
+    assert precision.check_precision("bf16", "cpu") == (torch.bfloat16, [])
+    dtype, warnings = precision.check_precision("fp16", "cpu")
+    assert dtype == torch.float16 and "emulated" in warnings[0] and "train.precision" in warnings[0]
+    caps["avx512_bf16"] = False  # a CPU without native bf16: auto falls back to fp32, bf16 warns
+    assert precision.check_precision("auto", "cpu") == (None, [])
+    assert "emulated" in precision.check_precision("bf16", "cpu")[1][0]
+    assert precision.describe("auto", None) == "fp32 (auto: no native bf16, so fp32)"
+    assert precision.describe("auto", torch.bfloat16) == "bf16 (auto: native bf16)"
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 0))
+    with pytest.raises(ConfigError, match="bf16 is not native on Tesla V100"):
+        precision.check_precision("bf16", "cuda")
+    assert precision.check_precision("auto", "cuda") == (None, [])
+    assert precision.check_precision("fp16", "cuda") == (torch.float16, [])
+
+
+def test_compile_without_a_compiler_fails_before_start(monkeypatch, tmp_path, cache_dir):
+    from phalanx import precision
+    from phalanx.config import ConfigError
+
+    monkeypatch.setattr(precision.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="train.compile"):
+        precision.check_compile("cpu")
+    precision.check_compile("cuda")  # GPU code is generated by Triton, no C++ compiler needed
+
+
+@pytest.mark.slow
+def test_compile_runs_and_saves_an_uncompiled_model(tmp_path, cache_dir):
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "compiled"
+    phalanx(*lm_args(run, cache_dir, *SMALL, "train.compile=true"), check=True, timeout=600)
+    assert not any("_orig_mod" in k for k in final_params(run))
+    model = AutoModelForCausalLM.from_pretrained(run / "final")  # no missing/unexpected keys
+    assert model.transformer.h[0].attn.c_attn.weight.shape[0] == 64
+    keys = FileSystemReader(str(run / "checkpoints" / "step_000004")).read_metadata().state_dict_metadata
+    assert keys and not any("_orig_mod" in k for k in keys)
+
+
+def test_nccl_settings_come_from_the_config():
+    from phalanx import dist
+    from phalanx.config import ConfigError, load_config
+
+    cfg = load_config(None, ["dist.nccl_async_error_handling=1", "dist.nccl_debug=WARN",
+                             "dist.nccl_socket_ifname=eth0", "dist.nccl_timeout_s=120"])
+    assert dist.nccl_env(cfg.dist) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_DEBUG": "WARN",
+                                       "NCCL_SOCKET_IFNAME": "eth0"}
+    assert load_config(None).dist.nccl_timeout_s == 0
+    with pytest.raises(ConfigError, match="dist.nccl_async_error_handling"):
+        load_config(None, ["dist.nccl_async_error_handling=7"])

@@ -416,7 +416,8 @@ def describe_markdown(cls=Config, prefix: str = "") -> list[str]:
             rows.extend(describe_markdown(tp, prefix + f.name + "."))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        extra = f" One of: {', '.join(map(str, f.metadata['choices']))}." if f.metadata.get("choices") else ""
+        shown = ", ".join(str(c) or "'' (unset)" for c in f.metadata.get("choices") or [])
+        extra = f" One of: {shown}." if shown else ""
         doc = (f.metadata["help"] + "." + extra).replace("|", "\\|")
         rows.append(f"| `{prefix}{f.name}` | {_type_name(tp)} | `{default!r}` | {doc} |")
     return rows

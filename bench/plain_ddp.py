@@ -6,7 +6,6 @@ tokens/s and time-to-first-step exactly as it does for phalanx.
 """
 import argparse
 import json
-import os
 import time
 
 import numpy as np

@@ -9,8 +9,11 @@ from pathlib import Path
 from .config import ConfigError
 
 # Subcommands implemented in their own modules: each has add_arguments(parser) and run(args) -> int.
-EXTRA_COMMANDS = {"report": "phalanx.report", "bench": "phalanx.bench", "doctor": "phalanx.doctor",
-                  "predict": "phalanx.tasks.classify"}
+# Only the chosen one is imported, so e.g. `phalanx report` never pays for (or needs) torch.
+EXTRA_COMMANDS = {"report": ("phalanx.report", "plots and a Markdown summary of one or more runs"),
+                  "bench": ("phalanx.bench", "scaling study: the same config at several world sizes"),
+                  "doctor": ("phalanx.doctor", "pre-flight checks of the distributed set-up"),
+                  "predict": ("phalanx.tasks.classify", "predict labels with a trained classifier (RUN/final)")}
 
 
 def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
@@ -85,7 +88,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phalanx", description="Distributed data-parallel NLP training.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train (launches workers through torch.distributed.run)")
@@ -104,21 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
-    for name, module in EXTRA_COMMANDS.items():
-        try:
+    for name, (module, help_text) in EXTRA_COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == selected:
             mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        if not (hasattr(mod, "add_arguments") and hasattr(mod, "run")):
-            continue
-        p = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
-        mod.add_arguments(p)
-        p.set_defaults(func=mod.run)
+            mod.add_arguments(p)
+            p.set_defaults(func=mod.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     args, rest = parser.parse_known_args(argv)
     # key=value overrides may come after flags (argparse stops filling `items` at the first flag)
     stray = [r for r in rest if r.startswith("-")]

@@ -1,7 +1,6 @@
 """Build Hugging Face models from the config (random init) or a pretrained folder, and wrap them."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from .config import ModelConfig

@@ -14,6 +14,7 @@ import os
 import signal
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -116,205 +117,148 @@ def _write_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+@dataclass
+class Trainee:
+    """The pieces that train. `model` is the raw model (saved, evaluated, exported); `wrapped` adds
+    DDP/FSDP to it and `forward` adds torch.compile on top (or is `wrapped`)."""
+    model: torch.nn.Module
+    wrapped: torch.nn.Module
+    forward: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: WarmupCosine
+    scaler: torch.amp.GradScaler
+    autocast: object
+    amp_dtype: torch.dtype | None
+
+
+def build_trainee(cfg: Config, info: dist.DistInfo, task) -> Trainee:
+    t = cfg.train
+    torch.manual_seed(t.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
+    model = task.build_model().to(info.device)
+    wrapped = wrap(model, t.strategy, info)
+    amp_dtype, warnings = precision.check_precision(t.precision, info.device.type)
+    for warning in warnings:
+        _say(info, f"phalanx: warning: {warning}")
+    return Trainee(model=model, wrapped=wrapped, forward=torch.compile(wrapped) if t.compile else wrapped,
+                   optimizer=build_optimizer(model, t), schedule=WarmupCosine(t),
+                   scaler=precision.make_scaler(info.device, amp_dtype),
+                   autocast=precision.autocast_factory(info.device, amp_dtype), amp_dtype=amp_dtype)
+
+
+@dataclass
+class StepResult:
+    loss_sum: float     # this rank's summed loss over its micro-batches
+    count: float        # target count of the whole global batch (all-reduced)
+    tokens: float       # tokens of the global batch, padding included (all-reduced)
+    useful: float       # non-padding tokens of the global batch (all-reduced)
+    local_tokens: int
+    stop: bool          # some rank was asked to stop (preemption): all agree
+    checkpoint_due: bool  # time-based checkpoint vote
+    grad_norm: float
+    lr: float
+    times: tuple        # perf_counter marks: start, sync, after sync, after backward, end
+
+
+class Window:
+    """Sums over the steps between two log lines."""
+
+    def __init__(self):
+        self.loss = self.targets = self.tokens = self.useful = self.time = 0.0
+        self.steps = 0
+
+    def add(self, r: StepResult) -> None:
+        self.loss += r.loss_sum
+        self.targets += r.count
+        self.tokens += r.tokens
+        self.useful += r.useful
+        self.time += r.times[-1] - r.times[0]
+        self.steps += 1
+
+    def record(self, global_loss_sum: float) -> dict:
+        return {"loss": global_loss_sum / self.targets, "tokens_per_s": self.tokens / self.time,
+                "step_time_s": self.time / self.steps, "useful_tokens_per_s": self.useful / self.time,
+                "pad_fraction": 1 - self.useful / max(self.tokens, 1)}
+
+
 def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     t, run_dir = cfg.train, Path(cfg.run_dir)
     t_launch = time.time()
-    import transformers  # noqa: F401  (quiet its warnings on every rank)
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    _quiet_transformers()
     accum = check_world(cfg, info.world_size)
     if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_yaml(cfg, run_dir / "config.yaml")
-        (run_dir / PREEMPTED).unlink(missing_ok=True)
-        (run_dir / ERROR).unlink(missing_ok=True)
+        _prepare_run_dir(cfg, run_dir)
 
-    # ---- data, model, optimizer --------------------------------------------------------------
+    # ---- data, model, optimizer, resume ------------------------------------------------------
     task = get_task(cfg.task)(cfg, info)
     task.prepare()
-    torch.manual_seed(t.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
-    model = task.build_model().to(info.device)   # the raw model: saved and exported, never the wrapper
-    n_params = count_parameters(model)
-    wrapped = wrap(model, t.strategy, info)
-    compiled = torch.compile(wrapped) if t.compile else wrapped  # forward only; `model` is what is saved
-    optimizer = build_optimizer(model, t)
-    schedule = WarmupCosine(t)
-    amp_dtype, warnings = precision.check_precision(t.precision, info.device.type)
-    scaler = precision.make_scaler(info.device, amp_dtype)
-    autocast = precision.autocast_factory(info.device, amp_dtype)
-    for warning in warnings:
-        _say(info, f"phalanx: warning: {warning}")
-
+    tr = build_trainee(cfg, info, task)
+    n_params = count_parameters(tr.model)
     _say(info, f"phalanx: task {cfg.task}, {n_params / 1e6:.2f}M parameters, world size {info.world_size} "
                f"({info.backend}, {torch.get_num_threads()} threads/process), global batch "
                f"{t.global_batch_size} = micro {t.micro_batch_size} x world {info.world_size} x accum {accum}, "
-               f"precision {precision.describe(t.precision, amp_dtype)}, strategy "
+               f"precision {precision.describe(t.precision, tr.amp_dtype)}, strategy "
                f"{t.strategy if info.world_size > 1 else 'single'}")
-
-    # ---- resume ------------------------------------------------------------------------------
     ckpt = Checkpointer(run_dir, info, t.keep_checkpoints)
     state = {"step": 0, "samples_seen": 0, "tokens_seen": 0, "nan_skips": 0, "train_time_s": 0.0}
-    resume_from = ckpt.latest() if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "never" else None)
-    resumed_event = None
-    if resume_from is not None:
-        t_load = time.perf_counter()
-        meta, rank_state = ckpt.load(resume_from, model, optimizer)
-        state.update(meta["train_state"])
-        schedule.load_state_dict(meta["schedule"])
-        if meta.get("scaler"):
-            scaler.load_state_dict(meta["scaler"])
-        if rank_state:
-            set_rng_state(rank_state["rng"])
-        _say(info, f"phalanx: resumed from {resume_from} at step {state['step']} (saved by world size "
-                   f"{meta['world_size']}; global sample offset {state['samples_seen']}; elastic attempt "
-                   f"{info.attempt})")
-        resumed_event = {"step": state["step"], "event": "resumed", "from": str(resume_from),
-                         "load_s": round(time.perf_counter() - t_load, 4), "attempt": info.attempt,
-                         "saved_world_size": meta["world_size"]}
+    resumed = _resume(cfg, ckpt, tr, state, info)
     start_step = state["step"]
-
     sampler = GlobalBatchSampler(len(task.train_set), t.global_batch_size, t.micro_batch_size, t.seed,
                                  task.train_order())
     monitor = Monitor(run_dir, enabled=info.is_main, progress=cfg.log.progress, max_steps=t.max_steps,
                       start_step=start_step, cfg=cfg)
-    if resumed_event:
-        monitor.log(resumed_event)
-    telemetry = Telemetry(info, cfg, n_params=n_params, model=model, wrapped=wrapped, amp_dtype=amp_dtype,
-                          monitor=monitor)
-    preempt = PreemptionFlag()
-    fault = parse_fault(cfg.debug.fault)
-    watchdog.timeout_s = cfg.dist.timeout_s
-
-    def save(step: int) -> None:
-        watchdog.beat(step, "checkpoint")
-        hook = (lambda: fire(fault)) if fault and fault.kind == "kill_in_checkpoint" and \
-            fault.applies(info.rank, step, info.attempt) else None
-        meta = {"train_state": state, "schedule": schedule.state_dict(), "scaler": scaler.state_dict(),
-                "config_hash": config_hash(cfg), "config": relevant_subset(cfg)}
-        path, seconds = ckpt.save(step, model, optimizer, meta, fault_hook=hook)
-        monitor.log({"step": step, "event": "checkpoint", "checkpoint_s": round(seconds, 4), "path": str(path)})
+    if resumed:
+        monitor.log(resumed)
+    telemetry = Telemetry(info, cfg, n_params=n_params, model=tr.model, wrapped=tr.wrapped,
+                          amp_dtype=tr.amp_dtype, monitor=monitor)
+    preempt, fault = PreemptionFlag(), parse_fault(cfg.debug.fault)
+    watchdog.timeout_s = cfg.dist.timeout_s  # start-up is over: the training timeout applies
 
     # ---- the loop ----------------------------------------------------------------------------
-    stop_reason, time_due, last_ckpt_time, eval_metrics = None, False, time.time(), {}
-    window = {"loss": 0.0, "tokens": 0, "targets": 0.0, "useful": 0.0, "time": 0.0, "steps": 0}
-    first_step_at = None
+    stop, checkpoint_due, last_ckpt_time, eval_metrics = False, False, time.time(), {}
+    window, first_step_at = Window(), None
     while True:
         step = state["step"]
         last_step = step >= t.max_steps
         if step > start_step and (last_step or (t.eval_every and step % t.eval_every == 0)):
             watchdog.beat(step, "eval")
-            eval_metrics = evaluate(task, model, task.val_set, info, t.micro_batch_size, t.eval_max_samples,
-                                    autocast)
+            eval_metrics = evaluate(task, tr.model, task.val_set, info, t.micro_batch_size, t.eval_max_samples,
+                                    tr.autocast)
             monitor.eval(step, eval_metrics)
-        if step > start_step and (last_step or stop_reason or (t.checkpoint_every and step % t.checkpoint_every == 0)
-                                  or time_due):
-            save(step)
+        if step > start_step and (last_step or stop or checkpoint_due or
+                                  (t.checkpoint_every and step % t.checkpoint_every == 0)):
+            _save(cfg, ckpt, tr, state, step, info, watchdog, monitor, fault)
             last_ckpt_time = time.time()
-        if last_step or stop_reason:
+        if last_step or stop:
             break
 
-        # ---- one optimizer step: accum micro-batches, one gradient all-reduce ------------------
-        watchdog.beat(step, "start")
-        if fault and fault.kind in ("kill", "raise", "sleep") and fault.applies(info.rank, step, info.attempt):
-            fire(fault)
-        t0 = time.perf_counter()
-        global_ids = sampler.global_batch(state["samples_seen"])
-        micro_ids = sampler.micro_batch_ids(info.rank, info.world_size)
-        batches = [to_device(task.collate(task.train_set, ids), info.device)
-                   for ids in sampler.rank_micro_batches(global_ids, info.rank, info.world_size)]
-        local_count = sum(task.target_count(b) for b in batches)
-        local_tokens = sum(task.batch_tokens(b) for b in batches)
-        local_useful = sum(task.useful_tokens(b) for b in batches)
-        ckpt_minutes_due = t.checkpoint_every_minutes and time.time() - last_ckpt_time > 60 * t.checkpoint_every_minutes
-        if fault and fault.kind == "slow" and fault.applies(info.rank, step, info.attempt):
-            fire(fault)  # test-only straggler: this rank's data phase is slow
-        t_sync = time.perf_counter()
-        watchdog.beat(step, "sync")
-        count, tokens, useful, stop_votes, time_votes = dist.all_reduce(
-            [local_count, local_tokens, local_useful, float(preempt.requested), float(bool(ckpt_minutes_due))], info)
-        t1 = time.perf_counter()
-        loss_local = torch.zeros((), dtype=torch.float64, device=info.device)
-        bad_micro = math.inf
-        for k, (batch, mid) in enumerate(zip(batches, micro_ids)):
-            torch.manual_seed(micro_seed(t.seed, step, mid))
-            with sync_context(wrapped, model, k == len(batches) - 1):
-                watchdog.beat(step, "forward", k)
-                with autocast():
-                    loss = task.loss_sum(compiled, batch)
-                if fault and fault.kind == "nan" and fault.applies(info.rank, step, info.attempt):
-                    loss = loss * float("nan")
-                watchdog.beat(step, "backward", k)
-                scaler.scale(loss * (info.world_size / count)).backward()
-            loss_local += loss.detach()
-            if bad_micro == math.inf and not math.isfinite(float(loss.detach())):
-                bad_micro = mid
-        t2 = time.perf_counter()
-        watchdog.beat(step, "optimizer")
-        scaler.unscale_(optimizer)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf))
-        lr = schedule.apply(optimizer, step)
-        if math.isfinite(grad_norm):
-            scaler.step(optimizer)
-            state["consecutive_nan"] = 0
-        elif scaler.is_enabled() and not math.isfinite(dist.all_reduce([bad_micro], info, "min")[0]):
-            # fp16: finite losses but the scaled gradients overflowed. Routine for dynamic loss scaling:
-            # scaler.update() lowers the scale and the step is skipped; not a NaN (same on every rank).
-            state["fp16_overflows"] = state.get("fp16_overflows", 0) + 1
-            monitor.log({"step": step + 1, "event": "fp16_overflow", "loss_scale": scaler.get_scale()})
-        else:  # identical on every rank: the norm is computed from all-reduced gradients
-            (bad_micro,) = dist.all_reduce([bad_micro], info, "min")
-            state["nan_skips"] += 1
-            state["consecutive_nan"] = state.get("consecutive_nan", 0) + 1
-            where = f"step {step}, micro-batch {int(bad_micro)}" if math.isfinite(bad_micro) else f"step {step}"
-            if t.nan_policy == "stop" or state["consecutive_nan"] >= t.max_nan_skips:
-                err = StopTraining(f"non-finite loss or gradient norm at {where} (train.nan_policy="
-                                   f"{t.nan_policy}, {state['nan_skips']} skipped so far)")
-                err.step = step
-                raise err
-            monitor.message(f"warning: non-finite loss or gradient norm at {where}: step skipped")
-            monitor.log({"step": step + 1, "event": "nan_skip", "where": where})
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-
+        minutes_due = bool(t.checkpoint_every_minutes) and time.time() - last_ckpt_time > 60 * t.checkpoint_every_minutes
+        r = train_step(cfg, tr, task, sampler, state, info, watchdog, fault, preempt.requested, minutes_due, monitor)
         state["step"] += 1
         state["samples_seen"] += t.global_batch_size
-        state["tokens_seen"] += int(tokens)
-        state["train_time_s"] += t3 - t0
+        state["tokens_seen"] += int(r.tokens)
+        state["train_time_s"] += r.times[-1] - r.times[0]
         first_step_at = first_step_at or time.time()
-        stop_reason = "preempted" if stop_votes > 0 else None
-        time_due = time_votes > 0
-        window["loss"] += float(loss_local)
-        window["tokens"] += int(tokens)
-        window["targets"] += count
-        window["useful"] += useful
-        window["steps"] += 1
-        window["time"] += t3 - t0
-        telemetry.step(t0, t_sync, t1, t2, t3, local_tokens)
+        stop, checkpoint_due = r.stop, r.checkpoint_due
+        window.add(r)
+        telemetry.step(*r.times, r.local_tokens)
 
-        # ---- log ---------------------------------------------------------------------------
         step = state["step"]
-        if step % t.log_every == 0 or step == t.max_steps or stop_reason:
-            (loss_sum,) = dist.all_reduce([window["loss"]], info)
-            target_sum = window["targets"]
-            n = window["steps"]
+        if step % t.log_every == 0 or step == t.max_steps or stop:
+            (loss_sum,) = dist.all_reduce([window.loss], info)
             monitor.train(step, {
-                "loss": loss_sum / target_sum, "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_s": window["tokens"] / window["time"], "step_time_s": window["time"] / n,
-                "useful_tokens_per_s": window["useful"] / window["time"],
-                "pad_fraction": 1 - window["useful"] / max(window["tokens"], 1),
+                **window.record(loss_sum), "lr": r.lr, "grad_norm": r.grad_norm,
                 "tokens_seen": state["tokens_seen"], "epoch": state["samples_seen"] / len(task.train_set),
                 **telemetry.collect(step)})  # time split, per-rank resources, MFU (a gather on all ranks)
-            window = {k: 0.0 if isinstance(v, float) else 0 for k, v in window.items()}
+            window = Window()
 
     # ---- finish ------------------------------------------------------------------------------
-    if stop_reason == "preempted":
+    if stop:
         if info.is_main:
             _write_json(run_dir / PREEMPTED, {"step": state["step"], "signal": preempt.signal})
         monitor.message(f"phalanx: preempted at step {state['step']}; checkpoint written")
         monitor.close()
         return {"preempted": True, "step": state["step"]}
-    export_final(model, task, run_dir, info)
+    export_final(tr.model, task, run_dir, info)
     summary = {
         "task": cfg.task, "name": cfg.name, "world_size": info.world_size, "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.micro_batch_size, "grad_accum": accum, "steps": state["step"],
@@ -330,6 +274,136 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     monitor.message(f"phalanx: done at step {state['step']}; final model in {run_dir / 'final'}")
     monitor.close()
     return summary
+
+
+def train_step(cfg: Config, tr: Trainee, task, sampler: GlobalBatchSampler, state: dict, info: dist.DistInfo,
+               watchdog: Watchdog, fault, stop_requested: bool, minutes_due: bool, monitor) -> StepResult:
+    """One optimizer step: this rank's micro-batches of the global batch, one gradient all-reduce."""
+    step = state["step"]
+    watchdog.beat(step, "start")
+    if fault and fault.kind in ("kill", "raise", "sleep") and fault.applies(info.rank, step, info.attempt):
+        fire(fault)
+    t0 = time.perf_counter()
+    global_ids = sampler.global_batch(state["samples_seen"])
+    micro_ids = sampler.micro_batch_ids(info.rank, info.world_size)
+    batches = [to_device(task.collate(task.train_set, ids), info.device)
+               for ids in sampler.rank_micro_batches(global_ids, info.rank, info.world_size)]
+    local = [sum(task.target_count(b) for b in batches), sum(task.batch_tokens(b) for b in batches),
+             sum(task.useful_tokens(b) for b in batches)]
+    if fault and fault.kind == "slow" and fault.applies(info.rank, step, info.attempt):
+        fire(fault)  # test-only straggler: this rank's data phase is slow
+    t_sync = time.perf_counter()
+    watchdog.beat(step, "sync")
+    # One small collective per step: the global target count (loss normaliser) and the stop votes.
+    count, tokens, useful, stop_votes, time_votes = dist.all_reduce(
+        [*local, float(stop_requested), float(minutes_due)], info)
+    t1 = time.perf_counter()
+    losses = _forward_backward(cfg, tr, task, batches, micro_ids, count, step, info, watchdog, fault)
+    t2 = time.perf_counter()
+    watchdog.beat(step, "optimizer")
+    grad_norm, lr = _optimizer_step(cfg, tr, state, step, losses, micro_ids, info, monitor)
+    t3 = time.perf_counter()
+    return StepResult(loss_sum=float(sum(losses)), count=count, tokens=tokens, useful=useful,
+                      local_tokens=local[1], stop=stop_votes > 0, checkpoint_due=time_votes > 0,
+                      grad_norm=grad_norm, lr=lr, times=(t0, t_sync, t1, t2, t3))
+
+
+def _forward_backward(cfg, tr: Trainee, task, batches, micro_ids, count, step, info, watchdog, fault) -> list:
+    """Accumulate gradients of loss_sum * world / count, so DDP's average is the global-batch mean."""
+    losses = []
+    for k, (batch, mid) in enumerate(zip(batches, micro_ids)):
+        torch.manual_seed(micro_seed(cfg.train.seed, step, mid))
+        with sync_context(tr.wrapped, tr.model, k == len(batches) - 1):
+            watchdog.beat(step, "forward", k)
+            with tr.autocast():
+                loss = task.loss_sum(tr.forward, batch)
+            if fault and fault.kind == "nan" and fault.applies(info.rank, step, info.attempt):
+                loss = loss * float("nan")
+            watchdog.beat(step, "backward", k)
+            tr.scaler.scale(loss * (info.world_size / count)).backward()
+        losses.append(loss.detach())  # no host sync here: checked only if the step turns out non-finite
+    return losses
+
+
+def _optimizer_step(cfg, tr: Trainee, state, step, losses, micro_ids, info, monitor) -> tuple[float, float]:
+    """Clip, step (or skip a non-finite step consistently on every rank), schedule, zero."""
+    t = cfg.train
+    tr.scaler.unscale_(tr.optimizer)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(tr.model.parameters(), t.grad_clip or math.inf))
+    lr = tr.schedule.apply(tr.optimizer, step)
+    if math.isfinite(grad_norm):
+        tr.scaler.step(tr.optimizer)
+        state["consecutive_nan"] = 0
+    else:  # the norm comes from all-reduced gradients, so every rank takes this branch together
+        local_bad = next((m for m, l in zip(micro_ids, losses) if not torch.isfinite(l)), math.inf)
+        (bad_micro,) = dist.all_reduce([local_bad], info, "min")
+        if tr.scaler.is_enabled() and not math.isfinite(bad_micro):
+            # fp16: finite losses but the scaled gradients overflowed. Routine for dynamic loss scaling:
+            # scaler.update() lowers the scale and the step is skipped; not a NaN.
+            state["fp16_overflows"] = state.get("fp16_overflows", 0) + 1
+            monitor.log({"step": step + 1, "event": "fp16_overflow", "loss_scale": tr.scaler.get_scale()})
+        else:
+            _non_finite(t, state, step, bad_micro, monitor)
+    tr.scaler.update()
+    tr.optimizer.zero_grad(set_to_none=True)
+    return grad_norm, lr
+
+
+def _non_finite(t, state: dict, step: int, bad_micro: float, monitor) -> None:
+    state["nan_skips"] += 1
+    state["consecutive_nan"] = state.get("consecutive_nan", 0) + 1
+    where = f"step {step}, micro-batch {int(bad_micro)}" if math.isfinite(bad_micro) else f"step {step}"
+    if t.nan_policy == "stop" or state["consecutive_nan"] >= t.max_nan_skips:
+        err = StopTraining(f"non-finite loss or gradient norm at {where} (train.nan_policy="
+                           f"{t.nan_policy}, {state['nan_skips']} skipped so far)")
+        err.step = step
+        raise err
+    monitor.message(f"warning: non-finite loss or gradient norm at {where}: step skipped")
+    monitor.log({"step": step + 1, "event": "nan_skip", "where": where})
+
+
+def _resume(cfg: Config, ckpt: Checkpointer, tr: Trainee, state: dict, info) -> dict | None:
+    """Load the checkpoint `cfg.resume` selects into the trainee and `state`; the event to log."""
+    path = ckpt.latest() if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "never" else None)
+    if path is None:
+        return None
+    t_load = time.perf_counter()
+    meta, rank_state = ckpt.load(path, tr.model, tr.optimizer)
+    state.update(meta["train_state"])
+    tr.schedule.load_state_dict(meta["schedule"])
+    if meta.get("scaler"):
+        tr.scaler.load_state_dict(meta["scaler"])
+    if rank_state:  # same world size: continue each rank's RNG streams (dropout is seeded per micro-batch)
+        set_rng_state(rank_state["rng"])
+    _say(info, f"phalanx: resumed from {path} at step {state['step']} (saved by world size "
+               f"{meta['world_size']}; global sample offset {state['samples_seen']}; elastic attempt "
+               f"{info.attempt})")
+    return {"step": state["step"], "event": "resumed", "from": str(path),
+            "load_s": round(time.perf_counter() - t_load, 4), "attempt": info.attempt,
+            "saved_world_size": meta["world_size"]}
+
+
+def _save(cfg, ckpt: Checkpointer, tr: Trainee, state, step, info, watchdog, monitor, fault) -> None:
+    watchdog.beat(step, "checkpoint")
+    hook = (lambda: fire(fault)) if fault and fault.kind == "kill_in_checkpoint" and \
+        fault.applies(info.rank, step, info.attempt) else None
+    meta = {"train_state": state, "schedule": tr.schedule.state_dict(), "scaler": tr.scaler.state_dict(),
+            "config_hash": config_hash(cfg), "config": relevant_subset(cfg)}
+    path, seconds = ckpt.save(step, tr.model, tr.optimizer, meta, fault_hook=hook)
+    monitor.log({"step": step, "event": "checkpoint", "checkpoint_s": round(seconds, 4), "path": str(path)})
+
+
+def _quiet_transformers() -> None:
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _prepare_run_dir(cfg: Config, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_yaml(cfg, run_dir / "config.yaml")
+    (run_dir / PREEMPTED).unlink(missing_ok=True)
+    (run_dir / ERROR).unlink(missing_ok=True)
 
 
 def export_final(model, task, run_dir: Path, info: dist.DistInfo) -> None:

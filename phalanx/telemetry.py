@@ -197,7 +197,9 @@ class Telemetry:
         if self.comm_measured:
             rec["comm_time_s"] = _r(statistics.fmean(per_step("comm")))
             rec["comm_exposed_time_s"] = _r(statistics.fmean(per_step("comm_exposed")))
-        wall = statistics.fmean(cols["time"])
+        # Rank 0's clock, the one the loop's `tokens_per_s` uses, so the global rates share one time base
+        # (other ranks' windows also hold their wait for rank 0's logging, a few % on tiny steps).
+        wall = cols["time"][0]
         tokens, samples = sum(cols["tokens"]), sum(cols["samples"])
         rec["samples_per_s"] = _r(samples / wall)
         fpt = flops_per_token(self.n_params, self.n_layer, self.d_model, tokens / max(samples, 1))

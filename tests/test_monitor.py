@@ -49,7 +49,8 @@ def test_metric_lines_carry_documented_keys_with_plausible_values(even_run):
         assert 0 <= m["comm_exposed_time_s"] <= m["fwd_bwd_time_s"] and m["comm_time_s"] > 0
         split = sum(m[k] for k in SPLIT)  # mean over ranks: sums to the ranks' mean step time
         assert split == pytest.approx(statistics.fmean(m["ranks/step_time_s"]), rel=0.01)
-        assert split == pytest.approx(m["step_time_s"], rel=0.10), m
+        # Global rates and step time are on rank 0's clock; each rank's own split sums to its own step time.
+        assert m["step_time_s"] == pytest.approx(m["ranks/step_time_s"][0], rel=1e-3), m
         assert all(b <= s * 1.001 for b, s in zip(m["ranks/busy_time_s"], m["ranks/step_time_s"]))
     summary = json.loads((run / "summary.json").read_text())
     # 6N + 12·L·d·T for 2 layers of width 64 and 32-token blocks

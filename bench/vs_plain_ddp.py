@@ -6,13 +6,18 @@ alternate (plain, phalanx, plain, phalanx, ...) so machine noise hits both. toke
 wall-clock time between the end of the warm-up steps and the last step (phalanx: metrics.jsonl
 timestamps; plain: its per-step timestamps); time to first step is from command start.
 
-    python bench/vs_plain_ddp.py [--steps 40] [--repeats 2] [--extra train.precision=bf16]
+Besides phalanx's defaults (fp32, eager), each variant in --variants adds a column of phalanx tokens/s
+with that option, as a ratio to the plain fp32 eager loop: `bf16` (train.precision=bf16 autocast) and
+`compile` (train.compile=true; its first-step time includes compilation).
+
+    python bench/vs_plain_ddp.py [--steps 40] [--repeats 2] [--variants bf16,compile] [--extra KEY=VALUE ...]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,17 +28,21 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 SHAPES = [(1, 1), (2, 1), (1, 2)]  # (processes, threads per process)
 WARMUP = 5
+VARIANTS = {"bf16": ["train.precision=bf16"], "compile": ["train.compile=true"]}
 
 
-def rate(points: list[tuple[int, float, int]]) -> float:
-    """tokens/s from (step, wall time, tokens) after the warm-up steps."""
+def rate(points: list[tuple[int, float, int]]) -> tuple[float, float]:
+    """tokens/s from (step, wall time, tokens) after the warm-up steps: over the whole span, and from the
+    median step interval (robust to the few steps a shared VM stalls, which can swing the mean by 10%)."""
     pts = [p for p in points if p[0] >= WARMUP]
     if len(pts) < 2:
-        return float("nan")
-    return sum(p[2] for p in pts[1:]) / (pts[-1][1] - pts[0][1])
+        return float("nan"), float("nan")
+    intervals = sorted(b[1] - a[1] for a, b in zip(pts, pts[1:]))
+    return (sum(p[2] for p in pts[1:]) / (pts[-1][1] - pts[0][1]),
+            statistics.median(p[2] for p in pts[1:]) / statistics.median(intervals))
 
 
-def run_phalanx(nproc, threads, steps, work, cache, extra) -> tuple[float, float]:
+def run_phalanx(nproc, threads, steps, work, cache, extra) -> tuple[tuple[float, float], float]:
     run = Path(tempfile.mkdtemp(dir=work))
     cmd = [sys.executable, "-m", "phalanx", "train", str(REPO / "examples" / "shakespeare.yaml"),
            f"data.train={DATA}", f"data.cache_dir={cache}", f"train.max_steps={steps}", "train.log_every=1",
@@ -48,7 +57,7 @@ def run_phalanx(nproc, threads, steps, work, cache, extra) -> tuple[float, float
     return rate(pts), pts[0][1] - t0
 
 
-def run_plain(nproc, threads, steps, tokens_file) -> tuple[float, float]:
+def run_plain(nproc, threads, steps, tokens_file) -> tuple[tuple[float, float], float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(REPO / "bench" / "plain_ddp.py"), "--tokens", str(tokens_file), "--steps", str(steps),
            "--threads", str(threads)]
@@ -64,8 +73,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--extra", nargs="*", default=[], help="extra phalanx overrides (e.g. train.precision=bf16)")
+    p.add_argument("--extra", nargs="*", default=[], help="extra phalanx overrides for every phalanx run")
+    p.add_argument("--variants", default="bf16,compile", help=f"phalanx columns beside the defaults: {','.join(VARIANTS)}")
     a = p.parse_args()
+    variants = [v for v in a.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; expected some of {sorted(VARIANTS)}")
+    impls = {"plain": None, "phalanx": a.extra, **{v: a.extra + VARIANTS[v] for v in variants}}
     work = Path(tempfile.mkdtemp(prefix="phalanx-bench-"))
     cache = work / "cache"
     run_phalanx(1, 2, 2, work, cache, a.extra)  # builds the tokenizer + token cache once, untimed
@@ -74,20 +89,27 @@ def main() -> None:
     results = {}
     for rep in range(a.repeats):
         for shape in SHAPES:
-            for impl in ("plain", "phalanx"):
-                fn = (lambda: run_plain(*shape, a.steps, tokens_file)) if impl == "plain" else \
-                    (lambda: run_phalanx(*shape, a.steps, work, cache, a.extra))
+            for impl, extra in impls.items():  # alternating, so machine noise hits every column
+                fn = (lambda: run_plain(*shape, a.steps, tokens_file)) if extra is None else \
+                    (lambda: run_phalanx(*shape, a.steps, work, cache, extra))
                 results.setdefault((impl, shape), []).append(fn())
-    print(f"\n{'shape':<22}{'plain tok/s':>12}{'phalanx tok/s':>15}{'ratio':>8}{'plain 1st step s':>18}"
-          f"{'phalanx 1st step s':>20}")
-    best = {k: (max(r for r, _ in v), min(s for _, s in v)) for k, v in results.items()}
+    # Best of the repeats: noise on a shared machine only ever slows a run down.
+    best = {k: (max(r[0] for r, _ in v), max(r[1] for r, _ in v), min(s for _, s in v)) for k, v in results.items()}
+    head = f"{'shape':<20}{'plain tok/s':>12}{'phalanx tok/s':>15}{'ratio':>7}{'ratio (median step)':>21}"
+    head += "".join(f"{f'{v} tok/s (x plain)':>26}" for v in variants)
+    head += f"{'1st step s plain/phalanx':>26}" + "".join(f"{f'/{v}':>9}" for v in variants)
+    print("\n" + head)
     for shape in SHAPES:
-        (pr, ps), (xr, xs) = best[("plain", shape)], best[("phalanx", shape)]
-        print(f"{f'{shape[0]} proc x {shape[1]} thread':<22}{pr:>12.0f}{xr:>15.0f}{xr / pr:>8.3f}{ps:>18.1f}{xs:>20.1f}")
-    for impl in ("plain", "phalanx"):
+        (pr, pm, ps), (xr, xm, xs) = best[("plain", shape)], best[("phalanx", shape)]
+        row = f"{f'{shape[0]} proc x {shape[1]} thread':<20}{pr:>12.0f}{xr:>15.0f}{xr / pr:>7.3f}{xm / pm:>21.3f}"
+        row += "".join(f"{f'{best[(v, shape)][0]:.0f} ({best[(v, shape)][0] / pr:.2f})':>26}" for v in variants)
+        row += f"{f'{ps:.1f}/{xs:.1f}':>26}" + "".join(f"{f'/{best[(v, shape)][2]:.1f}':>9}" for v in variants)
+        print(row)
+    for impl in ("plain", "phalanx", *variants):
         speedup = best[(impl, (2, 1))][0] / best[(impl, (1, 1))][0]
         print(f"2-process speedup over 1 process x 1 thread ({impl}): {speedup:.2f}x")
-    print(f"(best of {a.repeats} alternating runs, {a.steps} steps, first {WARMUP} skipped; extra: {a.extra or 'none'})")
+    print(f"(best of {a.repeats} alternating runs, {a.steps} steps, first {WARMUP} skipped; "
+          f"extra: {a.extra or 'none'})")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ given for multi-node. Each elastic attempt gets a fresh rendezvous store
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -144,6 +145,8 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     # Slurm's pre-timeout signal: the elastic agent does not handle SIGUSR1, so hand it to the workers,
     # which save and stop exactly as on SIGTERM.
     signal.signal(signal.SIGUSR1, _forward_to_workers)
+    failures = FailureReporter(max_restarts, single_node=not rdzv_endpoint)
+    logging.getLogger(FailureReporter.LOGGER).addHandler(failures)
     args = trun.get_args_parser().parse_args(
         torchrun_args(config_path, nproc_per_node, nnodes, rdzv_endpoint, rdzv_id, max_restarts))
     failure = None
@@ -154,9 +157,49 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     except SignalException as e:
         failure = e
     finally:
+        logging.getLogger(FailureReporter.LOGGER).removeHandler(failures)
         if config_path.parent != run_dir:
             config_path.unlink(missing_ok=True)
     return outcome(run_dir, failure)
+
+
+class FailureReporter(logging.Handler):
+    """Says in phalanx's words which worker failed and why, and whether the group restarts. The elastic
+    agent knows (it logs 'failed (exitcode: X) local_rank: L (pid: P)' once per failed attempt, for the
+    first worker that failed); the workers restarted after it say from which step they resume."""
+
+    LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+    def __init__(self, max_restarts: int, single_node: bool):
+        super().__init__(logging.ERROR)
+        self.max_restarts, self.single_node, self.failures = max_restarts, single_node, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if not str(record.msg).startswith("failed (exitcode") or len(args) < 3:
+            return  # another message, or a torch whose wording changed: its own log line still says it
+        code, local_rank, pid = args[:3]
+        self.failures += 1
+        print(f"phalanx: {failure_line(code, local_rank, pid, self.single_node)}; "
+              + (f"restarting all workers from the latest checkpoint (restart {self.failures} of "
+                 f"{self.max_restarts})" if self.failures <= self.max_restarts else
+                 f"no restarts left (--max-restarts {self.max_restarts})"), file=sys.stderr, flush=True)
+
+
+def failure_line(code, local_rank, pid, single_node: bool) -> str:
+    who = f"rank {local_rank}" if single_node else f"local rank {local_rank} on this node"
+    try:
+        code = int(code)
+    except (TypeError, ValueError):
+        return f"{who} (pid {pid}) failed (exit code {code})"
+    if code < 0:
+        try:
+            why = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            why = f"killed by signal {-code}"
+    else:
+        why = f"exited with code {code} (its error is printed above)"
+    return f"{who} (pid {pid}) {why}"
 
 
 def worker_config(cfg: Config, run_dir: Path, multinode: bool) -> Path:

@@ -64,22 +64,6 @@ def _rows_of_file(path: Path, fmt: str, text_field: str) -> list[dict]:
     return sources.read_records(str(path), fmt, "data")
 
 
-def _column(rows: list[dict], name: str, ex: Examples, offset: int, text: bool) -> list:
-    out = []
-    for i, row in enumerate(rows):
-        if name not in row:
-            raise ConfigError(f"{ex.where(offset + i)}: missing field '{name}' "
-                              f"(fields: {', '.join(sorted(map(str, row)))[:200]})")
-        value = row[name]
-        if text and not isinstance(value, str):
-            raise ConfigError(f"{ex.where(offset + i)}: field '{name}' should be text, got {type(value).__name__}")
-        if not text and (isinstance(value, bool) or not isinstance(value, (int, str))):
-            raise ConfigError(f"{ex.where(offset + i)}: field '{name}' should be an integer or a string label, "
-                              f"got {type(value).__name__} ({value!r})")
-        out.append(value)
-    return out
-
-
 def read_examples(spec: str, fmt: str, text_field: str, pair_field: str, label_field: str | None, key: str,
                   split: str = "train") -> Examples:
     """Texts (+ second texts when `pair_field`) and raw labels (when `label_field`) of a data source."""
@@ -91,11 +75,14 @@ def read_examples(spec: str, fmt: str, text_field: str, pair_field: str, label_f
     for name, rows in parts:
         offset = len(ex.texts)
         ex.spans.append((offset, name))
-        ex.texts += _column(rows, text_field, ex, offset, text=True)
+
+        def at(i, offset=offset):  # row i of this part, named by file and line
+            return ex.where(offset + i)
+        ex.texts += sources.field_values(rows, text_field, at, "text")
         if pair_field:
-            ex.pairs += _column(rows, pair_field, ex, offset, text=True)
+            ex.pairs += sources.field_values(rows, pair_field, at, "text")
         if label_field:
-            ex.labels += _column(rows, label_field, ex, offset, text=False)
+            ex.labels += sources.field_values(rows, label_field, at, "label")
     if not ex.texts:
         raise ConfigError(f"config key '{key}': '{spec}' holds no examples")
     return ex

@@ -108,17 +108,19 @@ def read_records(spec: str, fmt: str, key: str, split: str = "train") -> list[di
     return rows
 
 
-def field_values(rows: list[dict], field: str, spec: str, want=str) -> list:
-    """Column `field` of `rows`, with an error naming the source and row when it is missing."""
+def field_values(rows: list[dict], field: str, where, kind: str = "text") -> list:
+    """Column `field` of `rows`: text, or (kind="label") an integer or string label. `where(i)` names
+    row i's place ('data file X line L') in the error when a value is missing or of the wrong type."""
     out = []
     for i, row in enumerate(rows):
         if field not in row:
-            raise ConfigError(f"data '{spec}' row {i + 1}: missing field '{field}' "
-                              f"(fields: {', '.join(sorted(row))[:200]})")
+            raise ConfigError(f"{where(i)}: missing field '{field}' (fields: {', '.join(sorted(map(str, row)))[:200]})")
         value = row[field]
-        if want is str and not isinstance(value, str):
-            raise ConfigError(f"data '{spec}' row {i + 1}: field '{field}' should be text, got "
-                              f"{type(value).__name__}")
+        if kind == "text" and not isinstance(value, str):
+            raise ConfigError(f"{where(i)}: field '{field}' should be text, got {type(value).__name__}")
+        if kind == "label" and (isinstance(value, bool) or not isinstance(value, (int, str))):
+            raise ConfigError(f"{where(i)}: field '{field}' should be an integer or a string label, "
+                              f"got {type(value).__name__} ({value!r})")
         out.append(value)
     return out
 
@@ -126,7 +128,7 @@ def field_values(rows: list[dict], field: str, spec: str, want=str) -> list:
 def read_documents(spec: str, fmt: str, text_field: str, key: str, split: str = "train") -> list[str]:
     """Documents for language modelling (one per text file, one per row otherwise)."""
     rows = read_records(spec, fmt, key, split)
-    docs = field_values(rows, "text" if _is_plain(spec, fmt) else text_field, spec)
+    docs = field_values(rows, "text" if _is_plain(spec, fmt) else text_field, lambda i: f"data '{spec}' row {i + 1}")
     if not any(d.strip() for d in docs):
         raise ConfigError(f"data '{spec}': contains no text")
     return docs

@@ -8,7 +8,8 @@ timestamps; plain: its per-step timestamps); time to first step is from command 
 
 Besides phalanx's defaults (fp32, eager), each variant in --variants adds a column of phalanx tokens/s
 with that option, as a ratio to the plain fp32 eager loop: `bf16` (train.precision=bf16 autocast) and
-`compile` (train.compile=true; its first-step time includes compilation).
+`compile` (train.compile=true; its first-step time includes compilation) and `glibc-malloc`
+(dist.keep_freed_memory=false: glibc's default of returning freed memory to the OS).
 
     python bench/vs_plain_ddp.py [--steps 40] [--repeats 2] [--variants bf16,compile] [--extra KEY=VALUE ...]
 """
@@ -28,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 SHAPES = [(1, 1), (2, 1), (1, 2)]  # (processes, threads per process)
 WARMUP = 5
-VARIANTS = {"bf16": ["train.precision=bf16"], "compile": ["train.compile=true"]}
+VARIANTS = {"bf16": ["train.precision=bf16"], "compile": ["train.compile=true"],
+            "glibc-malloc": ["dist.keep_freed_memory=false"]}  # phalanx without its malloc tuning
 
 
 def rate(points: list[tuple[int, float, int]]) -> tuple[float, float]:
@@ -95,20 +97,26 @@ def main() -> None:
                 results.setdefault((impl, shape), []).append(fn())
     # Best of the repeats: noise on a shared machine only ever slows a run down.
     best = {k: (max(r[0] for r, _ in v), max(r[1] for r, _ in v), min(s for _, s in v)) for k, v in results.items()}
+    # Paired: each phalanx run against the plain run just before it, then the median over repeats,
+    # which cancels the slow drifts of a shared VM (10% over minutes here) that best-of cannot.
+    paired = {shape: statistics.median(x[0][0] / p[0][0] for p, x in zip(results[("plain", shape)],
+                                                                         results[("phalanx", shape)]))
+              for shape in SHAPES}
     head = f"{'shape':<20}{'plain tok/s':>12}{'phalanx tok/s':>15}{'ratio':>7}{'ratio (median step)':>21}"
-    head += "".join(f"{f'{v} tok/s (x plain)':>26}" for v in variants)
+    head += f"{'paired ratio':>14}"
+    head += "".join(f"{f'{v} tok/s (x plain)':>30}" for v in variants)
     head += f"{'1st step s plain/phalanx':>26}" + "".join(f"{f'/{v}':>9}" for v in variants)
     print("\n" + head)
     for shape in SHAPES:
         (pr, pm, ps), (xr, xm, xs) = best[("plain", shape)], best[("phalanx", shape)]
-        row = f"{f'{shape[0]} proc x {shape[1]} thread':<20}{pr:>12.0f}{xr:>15.0f}{xr / pr:>7.3f}{xm / pm:>21.3f}"
-        row += "".join(f"{f'{best[(v, shape)][0]:.0f} ({best[(v, shape)][0] / pr:.2f})':>26}" for v in variants)
+        row = f"{f'{shape[0]} proc x {shape[1]} thread':<20}{pr:>12.0f}{xr:>15.0f}{xr / pr:>7.3f}{xm / pm:>21.3f}{paired[shape]:>14.3f}"
+        row += "".join(f"{f'{best[(v, shape)][0]:.0f} ({best[(v, shape)][0] / pr:.2f})':>30}" for v in variants)
         row += f"{f'{ps:.1f}/{xs:.1f}':>26}" + "".join(f"{f'/{best[(v, shape)][2]:.1f}':>9}" for v in variants)
         print(row)
     for impl in ("plain", "phalanx", *variants):
         speedup = best[(impl, (2, 1))][0] / best[(impl, (1, 1))][0]
         print(f"2-process speedup over 1 process x 1 thread ({impl}): {speedup:.2f}x")
-    print(f"(best of {a.repeats} alternating runs, {a.steps} steps, first {WARMUP} skipped; "
+    print(f"(best of {a.repeats} alternating runs; paired ratio: median over the {a.repeats} pairs; {a.steps} steps, first {WARMUP} skipped; "
           f"extra: {a.extra or 'none'})")
 
 

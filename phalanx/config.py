@@ -126,6 +126,9 @@ class DistConfig:
                       choices=["auto", "gloo", "nccl", "mpi"])
     threads_per_worker: int = _f(0, "CPU threads per process; 0 = available cores / local processes",
                                  min=0)
+    keep_freed_memory: bool = _f(True, "glibc: keep freed memory for reuse (mmap threshold 32 MiB, trim "
+                                 "threshold 1 GiB) instead of handing it back to the OS and faulting it in "
+                                 "again every step; ~8% faster CPU steps here. Off = glibc defaults")
     startup_timeout_s: float = _f(300.0, "seconds allowed for start-up collectives", min=1.0)
     timeout_s: float = _f(600.0, "seconds a training step may make no progress before the hang "
                           "watchdog dumps stacks and stops the job", min=1.0)

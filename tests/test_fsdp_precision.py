@@ -12,7 +12,8 @@ from conftest import REFERENCE, final_params, lm_args, metrics, phalanx, train_l
 # Tolerance for FSDP vs DDP. With 2 ranks both reduce a gradient as a + b (commutative: bit-identical
 # sums) and divide by 2 exactly; the only other difference is the clipping norm, a sum of per-shard
 # squared norms instead of one over whole tensors (fp32 rounding, ~1e-7 relative), which Adam can
-# amplify over steps. Measured: identical to the last bit over 10 steps; 1e-5 leaves headroom.
+# amplify over steps. Measured: losses identical to the last bit over 10 steps on an AVX512 host and
+# within 2e-6 on an AVX2 one; 1e-5 leaves headroom.
 FSDP_RTOL = 1e-5
 
 
@@ -47,7 +48,16 @@ def test_fsdp_export_is_a_plain_full_model(fsdp2, ddp2_reference):
     p_got, p_want = final_params(fsdp2), final_params(ddp2_reference)
     assert p_got.keys() == p_want.keys()  # the tied lm_head is not written twice
     for name in p_want:
-        torch.testing.assert_close(p_got[name], p_want[name], rtol=FSDP_RTOL, atol=1e-6, msg=name)
+        got, want = p_got[name].clone(), p_want[name].clone()
+        if name.endswith("attn.c_attn.bias"):
+            # The key bias gets no gradient in exact math (softmax ignores a shift shared by all keys),
+            # so its "gradient" is rounding noise, which Adam scales up to lr-sized steps; how that noise
+            # falls depends on the CPU's kernels (AVX2 here: ~1e-6 apart). Check it stays noise in both
+            # runs, and compare the query and value biases like every other parameter.
+            key = slice(got.numel() // 3, 2 * got.numel() // 3)
+            assert got[key].abs().max() < 1e-4 and want[key].abs().max() < 1e-4, name
+            got[key] = want[key] = 0
+        torch.testing.assert_close(got, want, rtol=FSDP_RTOL, atol=1e-6, msg=name)
     model = AutoModelForCausalLM.from_pretrained(fsdp2 / "final")
     assert type(model).__name__ == "GPT2LMHeadModel"
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()

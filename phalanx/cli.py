@@ -66,6 +66,26 @@ def cmd_train(args) -> int:
                   force_resume=args.force_resume)
 
 
+def cmd_prepare(args) -> int:
+    from .config import load_config
+    from .launch import prepare_data
+    from .tasks import get_task
+
+    if args.workers < 0:
+        raise ConfigError(f"--workers: expected >= 0, got {args.workers}")
+    config, overrides = _split_config_and_overrides(args.items)
+    cfg = load_config(config, overrides)
+    task_cls = get_task(cfg.task)
+    if hasattr(task_cls, "preflight"):
+        task_cls.preflight(cfg)
+    summaries = prepare_data(cfg, args.workers, progress=not args.quiet)
+    for split, s in summaries.items():
+        how = "already prepared" if s.get("reused") else f"prepared in {s['seconds']:.1f} s ({s['mb_per_s']:.1f} MB/s)"
+        print(f"{split}: {s['source']}: {s['files']} file(s), {s['documents']:,} documents, {s['tokens']:,} tokens, "
+              f"{s['shards']} shard(s), {s['store_bytes'] / 1e6:.1f} MB; {how}; {s['folder']}")
+    return 0
+
+
 def cmd_config(args) -> int:
     import yaml
 
@@ -94,6 +114,12 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train (launches workers through torch.distributed.run)")
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("prepare", help="only the data step: tokenizer + token stores (train runs it when missing)")
+    p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]")
+    p.add_argument("--workers", type=int, default=0, help="encoding processes (default data.prepare_workers, "
+                   "0 = the available cores)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_prepare)
     p = sub.add_parser("config", help="print the resolved config, or every field with its doc (--show)")
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]")
     p.add_argument("--show", action="store_true", help="list every config key with type, default and doc")

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from .config import Config, ConfigError, check_world, load_config, relevant_subset, save_yaml
+from .oomwatch import MemoryWatch
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HANG, EXIT_PREEMPTED = 0, 1, 2, 3, 75
 
@@ -67,6 +68,19 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
         if changed:
             raise ConfigError(f"checkpoint '{path}' was made with different training settings: "
                               f"{', '.join(changed)}; use --fresh to start over or --force-resume")
+
+
+def prepare_data(cfg: Config, workers: int = 0, progress: bool | None = None) -> dict:
+    """The data step, here in the launcher before any worker starts: a long preparation never races a
+    worker's start-up timeout, and a data error found during it is still exit 2 with nothing started."""
+    from .tasks import get_task
+
+    task_cls = get_task(cfg.task)
+    if not hasattr(task_cls, "prepare_data"):
+        return {}
+    if progress is None:
+        progress = cfg.log.progress != "off"
+    return task_cls.prepare_data(cfg, workers or cfg.data.prepare_workers, progress)
 
 
 def check_hardware(cfg: Config) -> None:
@@ -125,7 +139,7 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
         if old:
             print(f"phalanx: --fresh: moved the previous run to {old}", flush=True)
     preflight(cfg, nproc_per_node, nnodes, force_resume)
-    lo, hi = _parse_nnodes(nnodes)
+    prepare_data(cfg)
     if not cfg.dist.threads_per_worker:
         from .dist import default_threads
         cfg.dist.threads_per_worker = default_threads(nproc_per_node)
@@ -145,18 +159,21 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     # Slurm's pre-timeout signal: the elastic agent does not handle SIGUSR1, so hand it to the workers,
     # which save and stop exactly as on SIGTERM.
     signal.signal(signal.SIGUSR1, _forward_to_workers)
-    failures = FailureReporter(max_restarts, single_node=not rdzv_endpoint)
+    memory = MemoryWatch()  # so that a worker killed by the OOM killer is reported as out of memory
+    failures = FailureReporter(max_restarts, single_node=not rdzv_endpoint, memory=memory)
     logging.getLogger(FailureReporter.LOGGER).addHandler(failures)
     args = trun.get_args_parser().parse_args(
         torchrun_args(config_path, nproc_per_node, nnodes, rdzv_endpoint, rdzv_id, max_restarts))
     failure = None
     try:
+        memory.start()
         trun.run(args)
     except ChildFailedError as e:
         failure = e
     except SignalException as e:
         failure = e
     finally:
+        memory.stop()
         logging.getLogger(FailureReporter.LOGGER).removeHandler(failures)
         if config_path.parent != run_dir:
             config_path.unlink(missing_ok=True)
@@ -166,13 +183,15 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
 class FailureReporter(logging.Handler):
     """Says in phalanx's words which worker failed and why, and whether the group restarts. The elastic
     agent knows (it logs 'failed (exitcode: X) local_rank: L (pid: P)' once per failed attempt, for the
-    first worker that failed); the workers restarted after it say from which step they resume."""
+    first worker that failed); the workers restarted after it say from which step they resume. With a
+    MemoryWatch (oomwatch.py), a worker killed by the kernel's OOM killer is said to be out of memory."""
 
     LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
-    def __init__(self, max_restarts: int, single_node: bool):
+    def __init__(self, max_restarts: int, single_node: bool, memory: MemoryWatch | None = None):
         super().__init__(logging.ERROR)
         self.max_restarts, self.single_node, self.failures = max_restarts, single_node, 0
+        self.memory = memory
 
     def emit(self, record: logging.LogRecord) -> None:
         args = record.args if isinstance(record.args, tuple) else ()
@@ -180,13 +199,16 @@ class FailureReporter(logging.Handler):
             return  # another message, or a torch whose wording changed: its own log line still says it
         code, local_rank, pid = args[:3]
         self.failures += 1
-        print(f"phalanx: {failure_line(code, local_rank, pid, self.single_node)}; "
+        line = failure_line(code, local_rank, pid, self.single_node, self.memory)
+        if self.memory is not None:
+            self.memory.snapshot()  # the next attempt's OOM kills are its own
+        print(f"phalanx: {line}; "
               + (f"restarting all workers from the latest checkpoint (restart {self.failures} of "
                  f"{self.max_restarts})" if self.failures <= self.max_restarts else
                  f"no restarts left (--max-restarts {self.max_restarts})"), file=sys.stderr, flush=True)
 
 
-def failure_line(code, local_rank, pid, single_node: bool) -> str:
+def failure_line(code, local_rank, pid, single_node: bool, memory: MemoryWatch | None = None) -> str:
     who = f"rank {local_rank}" if single_node else f"local rank {local_rank} on this node"
     try:
         code = int(code)
@@ -197,6 +219,8 @@ def failure_line(code, local_rank, pid, single_node: bool) -> str:
             why = f"killed by {signal.Signals(-code).name}"
         except ValueError:
             why = f"killed by signal {-code}"
+        if code == -signal.SIGKILL and memory is not None and memory.oom_killed():
+            why += f": out of memory (the kernel's OOM killer; {memory.describe()})"
     else:
         why = f"exited with code {code} (its error is printed above)"
     return f"{who} (pid {pid}) {why}"

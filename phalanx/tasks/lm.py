@@ -2,52 +2,60 @@
 from __future__ import annotations
 
 import math
-import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import Config
-from ..data import builtin, cache, sources, tokenizer as toks
+from ..config import Config, ConfigError
+from ..data import prepare, store
 from ..model import build_causal_lm
 
 IGNORE = -100
 
 
 class PackedBlocks:
-    """Non-overlapping windows of block_size+1 tokens over one token array (no padding)."""
+    """Non-overlapping windows of block_size+1 tokens over tokens [lo, hi) of a token store (no padding).
+    Window i starts at token lo + i*block_size; windows cross shard boundaries freely."""
 
-    def __init__(self, tokens: np.ndarray, block_size: int):
-        self.tokens, self.block_size = tokens, block_size
-        self.n = max(0, (len(tokens) - 1) // block_size)
+    def __init__(self, tokens: store.TokenStore, block_size: int, lo: int = 0, hi: int | None = None):
+        self.tokens, self.block_size, self.lo = tokens, block_size, lo
+        hi = len(tokens) if hi is None else hi
+        self.n = max(0, (hi - lo - 1) // block_size)
 
     def __len__(self) -> int:
         return self.n
 
     def batch(self, indices) -> np.ndarray:
-        b = self.block_size
-        return np.stack([self.tokens[i * b: i * b + b + 1] for i in indices]).astype(np.int64)
+        b, lo = self.block_size, self.lo
+        return np.stack([self.tokens.slice(lo + int(i) * b, lo + int(i) * b + b + 1) for i in indices]).astype(np.int64)
 
 
-def _chunks(doc: str, lines_per_chunk: int = 2000) -> list[str]:
-    # Line boundaries are pre-token boundaries for byte-level BPE, so chunking does not change the ids.
-    lines = doc.splitlines(keepends=True)
-    return ["".join(lines[i:i + lines_per_chunk]) for i in range(0, len(lines), lines_per_chunk)] or [doc]
+def blocks(data: prepare.LMData, block_size: int) -> tuple[PackedBlocks, PackedBlocks]:
+    """Training and validation blocks: a separate validation store, or the tail of the training store."""
+    train = data.train
+    if data.validation is not None:
+        return PackedBlocks(train, block_size), PackedBlocks(data.validation, block_size)
+    cut = len(train) - data.val_tokens
+    return PackedBlocks(train, block_size, 0, cut), PackedBlocks(train, block_size, cut, len(train))
 
 
-def tokenize_documents(tokenizer, docs: list[str]) -> np.ndarray:
-    """Token ids of all documents, each followed by the end-of-text token."""
-    eos = tokenizer.eos_token_id
-    backend = tokenizer.backend_tokenizer
-    out = []
-    for doc in docs:
-        for enc in backend.encode_batch(_chunks(doc), add_special_tokens=False):
-            out.append(np.asarray(enc.ids, dtype=np.int64))
-        out.append(np.asarray([eos], dtype=np.int64))
-    ids = np.concatenate(out)
-    return ids.astype(cache.token_dtype(len(tokenizer)))
+def check_enough(cfg: Config, data: prepare.LMData) -> None:
+    """Enough tokens for one training sequence, and for one validation sequence when one is asked for."""
+    d, bs = cfg.data, cfg.model.block_size
+    train, val = blocks(data, bs)
+    n_train = len(data.train) - data.val_tokens
+    if len(train) == 0:
+        raise ConfigError(f"config key 'data.train': '{d.train or 'built-in corpus'}' gives {n_train} training "
+                          f"tokens; one sequence needs model.block_size + 1 = {bs + 1}; add text or lower "
+                          f"model.block_size")
+    if len(val) == 0 and (d.validation or d.val_fraction > 0):
+        n_val = len(data.validation) if data.validation is not None else data.val_tokens
+        where = f"'{d.validation}'" if d.validation else f"data.val_fraction={d.val_fraction} of the training data"
+        raise ConfigError(f"validation data {where} gives {n_val} tokens; one sequence needs model.block_size + 1 "
+                          f"= {bs + 1}; add text, raise data.val_fraction, or set data.val_fraction=0 (no evaluation)")
 
 
 class LMTask:
@@ -58,69 +66,36 @@ class LMTask:
         self.train_set = self.val_set = self.tokenizer = None
 
     # ---- data -------------------------------------------------------------------------------
-    def _source_fingerprint(self) -> str:
-        d = self.cfg.data
-        files = [] if not d.train or d.train.startswith("hf:") else sources.files_of(d.train, "data.train")
-        vfiles = [] if not d.validation or d.validation.startswith("hf:") else \
-            sources.files_of(d.validation, "data.validation")
-        return cache.fingerprint("lm", d.train or f"builtin-{sys.version_info[:2]}-{builtin.MAX_CHARS}",
-                                 d.validation, d.val_fraction, d.format, d.text_field, *files, *vfiles)
-
-    def _documents(self) -> tuple[list[str], list[str]]:
-        d = self.cfg.data
-        docs = sources.read_documents(d.train, d.format, d.text_field, "data.train") if d.train \
-            else builtin.stdlib_docstrings()
-        if d.validation:
-            return docs, sources.read_documents(d.validation, d.format, d.text_field, "data.validation",
-                                                split="validation")
-        return sources.split_holdout(docs, d.val_fraction)
-
     @staticmethod
     def preflight(cfg: Config) -> None:
-        """Read the data once in the launcher so bad files fail before any worker starts."""
-        d = cfg.data
-        for spec, key, split in ((d.train, "data.train", "train"), (d.validation, "data.validation", "validation")):
-            if spec and not spec.startswith("hf:"):
-                sources.read_documents(spec, d.format, d.text_field, key, split)
+        """Bounded checks in the launcher (files exist, UTF-8, JSON on a sample) before anything runs."""
+        prepare.check_sample(cfg)
+
+    @staticmethod
+    def prepare_data(cfg: Config, workers: int = 0, progress: bool = True) -> dict:
+        """The data step (`phalanx prepare`, or the launcher before workers start): tokenizer + stores."""
+        summary = prepare.prepare_lm(cfg, workers, progress)
+        check_enough(cfg, prepare.open_lm_data(cfg))
+        return summary
 
     def prepare(self) -> None:
-        d, info = self.cfg.data, self.info
-        root = cache.cache_root(d.cache_dir)
-        src = self._source_fingerprint()
-        wait = self.cfg.dist.startup_timeout_s
-        docs = None
-
-        def documents():
-            nonlocal docs
-            docs = docs or self._documents()
-            return docs
-
-        if d.tokenizer:
-            self.tokenizer = toks.load_pretrained(d.tokenizer)
-            tok_fp = cache.fingerprint(d.tokenizer, *( [d.tokenizer] if Path(d.tokenizer).is_file() else []))
-        elif self.cfg.model.pretrained:
-            self.tokenizer = toks.load_pretrained(self.cfg.model.pretrained)
-            tok_fp = cache.fingerprint("pretrained", self.cfg.model.pretrained)
-        else:
-            tok_fp = cache.fingerprint(src, "bpe", d.vocab_size)
-            tok_dir = cache.build_once(root / f"tokenizer-{tok_fp}",
-                                       lambda tmp: toks.train_bpe(documents()[0], d.vocab_size).save_pretrained(tmp),
-                                       is_builder=info.is_local_main, timeout_s=wait)
-            self.tokenizer = toks.load_saved(tok_dir)
-        if self.tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no end-of-text token (eos_token)")
-        arrays = {}
-        for i, split in enumerate(("train", "validation")):
-            path = root / f"tokens-{cache.fingerprint(src, tok_fp, split)}.npy"
-            arrays[split] = cache.load_tokens(cache.build_once(
-                path, lambda tmp, i=i: cache.save_tokens(tokenize_documents(self.tokenizer, documents()[i] or [""]), tmp),
-                is_builder=info.is_local_main, timeout_s=wait))
-        bs = self.cfg.model.block_size
-        self.train_set = PackedBlocks(arrays["train"], bs)
-        self.val_set = PackedBlocks(arrays["validation"], bs)
-        if len(self.train_set) == 0:
-            raise ValueError(f"data.train: {len(arrays['train'])} tokens is less than one block of "
-                             f"{bs + 1}; lower model.block_size or add text")
+        """Open the prepared stores. Started by an outside torchrun/srun, the node's first process
+        prepares them (the others wait for the index files, not in a collective that could time out)."""
+        cfg = self.cfg
+        if not prepare.lm_data_ready(cfg):
+            if self.info.is_local_main:
+                prepare.prepare_lm(cfg, progress=False, say=lambda text: print(text, flush=True))
+            else:
+                deadline = time.monotonic() + cfg.dist.startup_timeout_s
+                while not prepare.lm_data_ready(cfg):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"waited {cfg.dist.startup_timeout_s:.0f}s for the node's first "
+                                           f"process to prepare the data")
+                    time.sleep(0.1)
+        data = prepare.open_lm_data(cfg)
+        self.tokenizer = prepare.load_tokenizer(data.tokenizer_dir)
+        self.train_set, self.val_set = blocks(data, cfg.model.block_size)
+        check_enough(cfg, data)
 
     def train_order(self):
         return None

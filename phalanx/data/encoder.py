@@ -79,12 +79,14 @@ class Encoder:
 
     def flat(self, texts: list[str], eos: int | None) -> np.ndarray:
         """Ids of `texts` concatenated, each followed by `eos` when given."""
-        out = []
-        for ids in self.encode(texts):
-            out.extend(ids)
-            if eos is not None:
-                out.append(eos)
-        return np.array(out, dtype=np.uint32)
+        if self.fast is not None:  # straight into numpy: no Python list of ints on the way
+            arrays = [self.fast.encode_to_numpy(t, allowed_special="all") for t in texts]
+        else:
+            arrays = [np.array(e.ids, dtype=np.uint32) for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        if eos is not None:
+            end = np.array([eos], dtype=np.uint32)
+            arrays = [part for a in arrays for part in (a, end)]
+        return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.uint32)
 
 
 def choose(tokenizer_dir: str | Path, sample: list[str]) -> tuple[str, str]:

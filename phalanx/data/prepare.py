@@ -87,8 +87,9 @@ def sample_texts(cfg: Config, budget: int) -> list[str]:
     if not files or any(k not in ("text", "jsonl") for k in kinds):
         out, size = [], 0
         for piece in pieces.plan(d.train, d.format, d.text_field, "data.train", "train", budget):
-            for texts, n in (pieces.documents(piece, d.text_field) if piece.kind != "text"
-                             else ([t], n) for t, n in pieces.text_chunks(piece)):
+            batches = pieces.documents(piece, d.text_field) if piece.kind != "text" else \
+                (([text], n) for text, n in pieces.text_chunks(piece))
+            for texts, n in batches:
                 out.extend(texts)
                 size += n
                 if size >= budget:
@@ -241,10 +242,12 @@ def build_store(cfg: Config, folder: Path, spec: str, key: str, split: str, iden
 
 
 def _remove_unlisted(folder: Path, records: list[dict]) -> None:
-    """Shards of an older version of the data (a changed file) are dropped once the new index exists."""
+    """Shards of an older version of the data (a changed file) are dropped once the new index exists;
+    every piece is done then, so a temporary file left is one that a killed preparation was writing."""
     keep = {r["fingerprint"] for r in records}
     for path in folder.iterdir():
-        if path.suffix in (".bin", ".json") and path.name != store.INDEX and path.stem not in keep:
+        stale = path.suffix in (".bin", ".json") and path.name != store.INDEX and path.stem not in keep
+        if stale or path.name.endswith(".tmp"):  # also what a killed preparation was writing
             path.unlink(missing_ok=True)
 
 

@@ -296,7 +296,8 @@ def run_recipe(corpus: Path, tok_dir: Path, eos: int, work: Path, logs: Path) ->
     m, r = run_child(["recipe", corpus, tok_dir, eos, work / "recipe.bin"], logs / "recipe.log", env)
     shutil.rmtree(hf, ignore_errors=True)
     (work / "recipe.bin").unlink(missing_ok=True)
-    return {"what": f"HF datasets recipe ({os.cpu_count()} procs, whole run)", "input_bytes": corpus.stat().st_size,
+    cores = len(os.sched_getaffinity(0))
+    return {"what": f"HF datasets recipe, {corpus.stat().st_size / GB:g} GB corpus ({cores} procs, whole run)", "input_bytes": corpus.stat().st_size,
             "seconds": m["wall_s"], "tokens": r["tokens"], "rows": r["rows"], "peak_tree_bytes": m["peak_tree_bytes"]}
 
 
@@ -332,8 +333,9 @@ def side_table(rows: list[dict]) -> list[str]:
     for r in rows:
         rate = r["input_bytes"] / MB / r["seconds"]
         ratio = f"{r['phalanx_mb_per_s'] / rate:.2f}" if r.get("phalanx_mb_per_s") else "-"
+        peak = f"{r['peak_tree_bytes'] / 2 ** 30:.2f}" if r["peak_tree_bytes"] is not None else "-"
         out.append(f"| {r['what']} | {r['input_bytes'] / MB:.1f} | {r['seconds']:.1f} | {rate:.1f} | "
-                   f"{r['tokens'] / r['seconds'] / 1e6:.2f} | {r['peak_tree_bytes'] / 2 ** 30:.2f} | {ratio} |")
+                   f"{r['tokens'] / r['seconds'] / 1e6:.2f} | {peak} | {ratio} |")
     return out
 
 
@@ -405,6 +407,9 @@ def side_rows(results: list[dict], a: argparse.Namespace) -> list[dict]:
         r["phalanx_mb_per_s"] = p["mb_per_s"]
     rows.append({"what": f"phalanx prepare, {base['gb']:g} GB corpus (whole run)", "input_bytes": p["corpus_bytes"],
                  "seconds": p["wall_s"], "tokens": p["tokens"], "peak_tree_bytes": p["peak_tree_bytes"]})
+    rows.append({"what": f"phalanx prepare, {base['gb']:g} GB corpus (its encoding step, from index.json)",
+                 "input_bytes": p["corpus_bytes"], "seconds": p["encode_s"], "tokens": p["tokens"],
+                 "peak_tree_bytes": None})
     return rows + [r["recipe"] for r in results if "recipe" in r]
 
 

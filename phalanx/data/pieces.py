@@ -28,6 +28,7 @@ from . import builtin
 from .sources import files_of, format_of
 
 WINDOW = 1 << 16
+Fields = tuple  # ((name, 'text' | 'label'), ...): what each row must hold
 
 
 def _visible(byte: int) -> bool:
@@ -103,7 +104,7 @@ def _cuts(path: Path, size: int, piece_bytes: int, finder) -> list[int]:
     return cuts + [size]
 
 
-def _file_pieces(path: Path, kind: str, text_field: str, piece_bytes: int) -> list[Piece]:
+def _file_pieces(path: Path, kind: str, fields: Fields, piece_bytes: int) -> list[Piece]:
     ident = file_identity(path)
     if kind == "parquet":
         import pyarrow.parquet as pq
@@ -117,20 +118,20 @@ def _file_pieces(path: Path, kind: str, text_field: str, piece_bytes: int) -> li
                 sizes = 0
         bounds = groups + [meta.num_row_groups]
         per_group = ident[1] / max(meta.num_row_groups, 1)
-        return [Piece("parquet", str(path), a, b, int((b - a) * per_group), _hash(ident, kind, text_field, a, b))
+        return [Piece("parquet", str(path), a, b, int((b - a) * per_group), _hash(ident, kind, fields, a, b))
                 for a, b in zip(bounds, bounds[1:])]
     cuts = _cuts(path, ident[1], piece_bytes, safe_cut if kind == "text" else line_cut)
-    return [Piece(kind, str(path), a, b, b - a, _hash(ident, kind, text_field, a, b, b == ident[1]),
+    return [Piece(kind, str(path), a, b, b - a, _hash(ident, kind, fields, a, b, b == ident[1]),
                   ends_document=(kind == "text" and b == ident[1]))
             for a, b in zip(cuts, cuts[1:])]
 
 
-def _doc_pieces(name: str, docs: Iterator[str], piece_bytes: int) -> Iterator[Piece]:
-    """Group streamed documents into pieces of about piece_bytes; fingerprinted by content."""
+def _doc_pieces(name: str, items: Iterator[tuple], piece_bytes: int) -> Iterator[Piece]:
+    """Group streamed rows into pieces of about piece_bytes of text; fingerprinted by content."""
     batch, size, row = [], 0, 0
-    for doc in docs:
-        batch.append(doc)
-        size += len(doc.encode("utf-8"))
+    for item in items:
+        batch.append(item)
+        size += sum(len(v.encode("utf-8")) for v in item if isinstance(v, str))
         if size >= piece_bytes:
             yield Piece("docs", name, row, row + len(batch), size, _hash(name, *batch), docs=tuple(batch))
             row, batch, size = row + len(batch), [], 0
@@ -138,22 +139,26 @@ def _doc_pieces(name: str, docs: Iterator[str], piece_bytes: int) -> Iterator[Pi
         yield Piece("docs", name, row, row + len(batch), size, _hash(name, *batch), docs=tuple(batch))
 
 
-def plan(spec: str, fmt: str, text_field: str, key: str, split: str, piece_bytes: int) -> Iterator[Piece]:
-    """The pieces of a data source, in corpus order. Empty `spec` = the built-in corpus."""
+def plan(spec: str, fmt: str, fields: Fields, key: str, split: str, piece_bytes: int) -> Iterator[Piece]:
+    """The pieces of a data source, in corpus order. Empty `spec` = the built-in corpus. `fields` are the
+    (name, kind) pairs each row must have, kind 'text' or 'label'; plain text files have no fields."""
     if not spec:
-        yield from _doc_pieces("builtin", iter(builtin.stdlib_docstrings()), piece_bytes)
+        yield from _doc_pieces("builtin", ((doc,) for doc in builtin.stdlib_docstrings()), piece_bytes)
         return
     if spec.startswith("hf:"):
-        yield from _doc_pieces(spec, hub_documents(spec, text_field, split), piece_bytes)
+        yield from _doc_pieces(spec, hub_rows(spec, fields, split), piece_bytes)
         return
     for path in files_of(spec, key):
         kind = format_of(path, fmt)
         if path.stat().st_size == 0:
             raise ConfigError(f"data file '{path}': empty file")
+        if kind == "text" and len(fields) > 1:
+            raise ConfigError(f"data file '{path}': plain text has no fields "
+                              f"({', '.join(n for n, _ in fields)}); use JSON Lines, CSV or Parquet")
         if kind == "csv":
-            yield from _doc_pieces(str(path), csv_documents(path, text_field), piece_bytes)
+            yield from _doc_pieces(str(path), csv_rows(path, fields), piece_bytes)
         else:
-            yield from _file_pieces(path, kind, text_field, piece_bytes)
+            yield from _file_pieces(path, kind, fields, piece_bytes)
 
 
 def plan_size(spec: str, key: str) -> int:
@@ -202,45 +207,48 @@ def text_chunks(piece: Piece, chunk_bytes: int = 1 << 20) -> Iterator[tuple[str,
         pos = end
 
 
-def jsonl_rows(buf: bytes, path: str, base: int, text_field: str) -> list[str]:
-    """The `text_field` of every non-blank line; an error names the file and line."""
-    texts, pos = [], 0
+def jsonl_rows(buf: bytes, path: str, base: int, fields: Fields) -> list[tuple]:
+    """The fields of every non-blank line; an error names the file and line."""
+    out, pos = [], 0
     for line in buf.split(b"\n"):
         start, pos = pos, pos + len(line) + 1
         if not line.strip():
             continue
+
+        def where(start=start) -> str:
+            return f"data file '{path}' line {line_of(path, base + start)}"
         try:
             row = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"data file '{path}' line {line_of(path, base + start)}: malformed JSON "
-                              f"({getattr(e, 'msg', e)})") from None
-        texts.append(text_of(row, text_field, lambda: f"data file '{path}' line {line_of(path, base + start)}"))
-    return texts
+            raise ConfigError(f"{where()}: malformed JSON ({getattr(e, 'msg', e)})") from None
+        out.append(values_of(row, fields, where))
+    return out
 
 
-def text_of(row, text_field: str, where) -> str:
+def values_of(row, fields: Fields, where) -> tuple:
+    """The `fields` of one row, checked: text is a string, a label an integer or a string."""
     if not isinstance(row, dict):
         raise ConfigError(f"{where()}: expected a JSON object, got {type(row).__name__}")
-    if text_field not in row:
-        raise ConfigError(f"{where()}: missing field '{text_field}' (fields: {', '.join(sorted(map(str, row)))[:200]})")
-    value = row[text_field]
-    if not isinstance(value, str):
-        raise ConfigError(f"{where()}: field '{text_field}' should be text, got {type(value).__name__}")
-    return value
+    out = []
+    for name, kind in fields:
+        if name not in row:
+            raise ConfigError(f"{where()}: missing field '{name}' (fields: {', '.join(sorted(map(str, row)))[:200]})")
+        value = row[name]
+        if kind == "text" and not isinstance(value, str):
+            raise ConfigError(f"{where()}: field '{name}' should be text, got {type(value).__name__}")
+        if kind == "label" and (isinstance(value, bool) or not isinstance(value, (int, str))):
+            raise ConfigError(f"{where()}: field '{name}' should be an integer or a string label, "
+                              f"got {type(value).__name__} ({value!r})")
+        out.append(value)
+    return tuple(out)
 
 
-def documents(piece: Piece, text_field: str, batch_bytes: int = 1 << 20) -> Iterator[tuple[list[str], int]]:
-    """Batches of documents of a row piece (jsonl, parquet, docs), with the input bytes they stand for."""
+def rows(piece: Piece, fields: Fields, batch_bytes: int = 1 << 20) -> Iterator[tuple[list[tuple], int]]:
+    """Batches of checked rows of a row piece (jsonl, parquet, docs), with the input bytes they stand for."""
     if piece.kind == "docs":
-        batch, size = [], 0
-        for doc in piece.docs:
-            batch.append(doc)
-            size += len(doc)
-            if size >= batch_bytes:
-                yield batch, size
-                batch, size = [], 0
-        if batch:
-            yield batch, size
+        for lo in range(0, len(piece.docs), 4096):
+            batch = list(piece.docs[lo:lo + 4096])
+            yield batch, sum(len(v) for item in batch for v in item if isinstance(v, str))
     elif piece.kind == "jsonl":
         with open(piece.source, "rb") as f:
             f.seek(piece.start)
@@ -249,36 +257,47 @@ def documents(piece: Piece, text_field: str, batch_bytes: int = 1 << 20) -> Iter
                 buf = f.read(min(batch_bytes, piece.end - pos))
                 if pos + len(buf) < piece.end:
                     buf += f.readline()  # complete the last line
-                yield jsonl_rows(buf, piece.source, pos, text_field), len(buf)
+                yield jsonl_rows(buf, piece.source, pos, fields), len(buf)
                 pos += len(buf)
-    else:  # parquet
-        import pyarrow.parquet as pq
-
-        pf = pq.ParquetFile(piece.source)
-        _check_column(pf.schema_arrow, text_field, piece.source)
-        for batch in pf.iter_batches(batch_size=4096, row_groups=range(piece.start, piece.end), columns=[text_field]):
-            texts = batch.column(0).to_pylist()
-            bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
-            if bad is not None:
-                raise ConfigError(f"data file '{piece.source}': a row's field '{text_field}' is {texts[bad]!r}, not text")
-            yield texts, int(batch.nbytes)
+    else:
+        yield from _parquet_rows(piece, fields)
 
 
-def _check_column(schema, text_field: str, path) -> None:
-    if text_field not in schema.names:
-        raise ConfigError(f"data file '{path}': missing field '{text_field}' (fields: {', '.join(schema.names)[:200]})")
+def _parquet_rows(piece: Piece, fields: Fields) -> Iterator[tuple[list[tuple], int]]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(piece.source)
+    _check_columns(pf.schema_arrow, fields, piece.source)
+    row = sum(pf.metadata.row_group(g).num_rows for g in range(piece.start))
+    for batch in pf.iter_batches(batch_size=4096, row_groups=range(piece.start, piece.end),
+                                 columns=[n for n, _ in fields]):
+        out = [values_of(r, fields, lambda i=i: f"data file '{piece.source}' row {row + i + 1}")
+               for i, r in enumerate(batch.to_pylist())]
+        row += len(out)
+        yield out, int(batch.nbytes)
 
 
-def csv_documents(path: Path, text_field: str) -> Iterator[str]:
+def _check_columns(schema, fields: Fields, path) -> None:
+    for name, _ in fields:
+        if name not in schema.names:
+            raise ConfigError(f"data file '{path}': missing field '{name}' (fields: {', '.join(schema.names)[:200]})")
+
+
+def csv_rows(path: Path, fields: Fields) -> Iterator[tuple]:
+    """CSV through pyarrow's streaming reader; a text column that parsed as numbers is read back as text."""
     import pyarrow.csv as pcsv
 
     try:
         reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=1 << 22))
-        _check_column(reader.schema, text_field, path)
-        column = reader.schema.get_field_index(text_field)
+        _check_columns(reader.schema, fields, path)
+        row = 0
         for batch in reader:
-            for value in batch.column(column).to_pylist():
-                yield value if isinstance(value, str) else ("" if value is None else str(value))
+            for r in batch.select([n for n, _ in fields]).to_pylist():
+                row += 1
+                for name, kind in fields:
+                    if kind == "text" and not isinstance(r[name], str):
+                        r[name] = "" if r[name] is None else str(r[name])
+                yield values_of(r, fields, lambda row=row: f"data file '{path}' row {row}")
     except ConfigError:
         raise
     except Exception as e:  # pyarrow raises several types; the message names the problem
@@ -286,7 +305,7 @@ def csv_documents(path: Path, text_field: str) -> Iterator[str]:
                           f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def hub_documents(spec: str, text_field: str, split: str) -> Iterator[str]:
+def hub_rows(spec: str, fields: Fields, split: str) -> Iterator[tuple]:
     """A Hugging Face dataset streamed row by row (a hub name where a network exists, or a local folder)."""
     import datasets
 
@@ -294,7 +313,7 @@ def hub_documents(spec: str, text_field: str, split: str) -> Iterator[str]:
     try:
         stream = datasets.load_dataset(name, subset or None, split=split, streaming=True)
         for i, row in enumerate(stream):
-            yield text_of(row, text_field, lambda: f"data '{spec}' split '{split}' row {i + 1}")
+            yield values_of(row, fields, lambda i=i: f"data '{spec}' split '{split}' row {i + 1}")
     except ConfigError:
         raise
     except Exception as e:

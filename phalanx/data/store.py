@@ -46,8 +46,9 @@ def shard_record(folder: Path, fp: str) -> dict | None:
     except (FileNotFoundError, json.JSONDecodeError):
         return None
     data = folder / record["file"]
-    dtype = np.dtype(record["dtype"])
-    if not data.is_file() or data.stat().st_size != record["tokens"] * dtype.itemsize:
+    if not data.is_file():
+        return None
+    if "dtype" in record and data.stat().st_size != record["tokens"] * np.dtype(record["dtype"]).itemsize:
         return None
     return record
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Config, ConfigError
-from ..data import prepare, store
+from ..data import lm_store, store
 from ..model import build_causal_lm
 
 IGNORE = -100
@@ -33,7 +33,7 @@ class PackedBlocks:
         return np.stack([self.tokens.slice(lo + int(i) * b, lo + int(i) * b + b + 1) for i in indices]).astype(np.int64)
 
 
-def blocks(data: prepare.LMData, block_size: int) -> tuple[PackedBlocks, PackedBlocks]:
+def blocks(data: lm_store.LMData, block_size: int) -> tuple[PackedBlocks, PackedBlocks]:
     """Training and validation blocks: a separate validation store, or the tail of the training store."""
     train = data.train
     if data.validation is not None:
@@ -42,7 +42,7 @@ def blocks(data: prepare.LMData, block_size: int) -> tuple[PackedBlocks, PackedB
     return PackedBlocks(train, block_size, 0, cut), PackedBlocks(train, block_size, cut, len(train))
 
 
-def check_enough(cfg: Config, data: prepare.LMData) -> None:
+def check_enough(cfg: Config, data: lm_store.LMData) -> None:
     """Enough tokens for one training sequence, and for one validation sequence when one is asked for."""
     d, bs = cfg.data, cfg.model.block_size
     train, val = blocks(data, bs)
@@ -69,31 +69,31 @@ class LMTask:
     @staticmethod
     def preflight(cfg: Config) -> None:
         """Bounded checks in the launcher (files exist, UTF-8, JSON on a sample) before anything runs."""
-        prepare.check_sample(cfg)
+        lm_store.check_sample(cfg)
 
     @staticmethod
     def prepare_data(cfg: Config, workers: int = 0, progress: bool = True) -> dict:
         """The data step (`phalanx prepare`, or the launcher before workers start): tokenizer + stores."""
-        summary = prepare.prepare_lm(cfg, workers, progress)
-        check_enough(cfg, prepare.open_lm_data(cfg))
+        summary = lm_store.prepare_lm(cfg, workers, progress)
+        check_enough(cfg, lm_store.open_lm_data(cfg))
         return summary
 
     def prepare(self) -> None:
         """Open the prepared stores. Started by an outside torchrun/srun, the node's first process
         prepares them (the others wait for the index files, not in a collective that could time out)."""
         cfg = self.cfg
-        if not prepare.lm_data_ready(cfg):
+        if not lm_store.lm_data_ready(cfg):
             if self.info.is_local_main:
-                prepare.prepare_lm(cfg, progress=False, say=lambda text: print(text, flush=True))
+                lm_store.prepare_lm(cfg, progress=False, say=lambda text: print(text, flush=True))
             else:
                 deadline = time.monotonic() + cfg.dist.startup_timeout_s
-                while not prepare.lm_data_ready(cfg):
+                while not lm_store.lm_data_ready(cfg):
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"waited {cfg.dist.startup_timeout_s:.0f}s for the node's first "
                                            f"process to prepare the data")
                     time.sleep(0.1)
-        data = prepare.open_lm_data(cfg)
-        self.tokenizer = prepare.load_tokenizer(data.tokenizer_dir)
+        data = lm_store.open_lm_data(cfg)
+        self.tokenizer = lm_store.load_tokenizer(data.tokenizer_dir)
         self.train_set, self.val_set = blocks(data, cfg.model.block_size)
         check_enough(cfg, data)
 

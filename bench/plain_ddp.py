@@ -1,6 +1,6 @@
 """The reference: a plain hand-written DDP loop (init_process_group + DDP + DistributedSampler + set_epoch).
 
-Run with torchrun. Trains the benchmark GPT-2 on a token array (the same .npy phalanx's cache holds)
+Run with torchrun. Trains the benchmark GPT-2 on a token array (phalanx's token store written out as one .npy)
 and prints one JSON line per step with a wall-clock timestamp, so bench/vs_plain_ddp.py can compute
 tokens/s and time-to-first-step exactly as it does for phalanx.
 """

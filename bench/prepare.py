@@ -18,7 +18,8 @@ For each size:
     (phalanx's own `ranks/host_peak_mb` goes to the JSON file).
 Side by side, on the first 100 MB (or less) of the corpus whose size is nearest above 100 MB:
   * the raw limit: `tokenizers` `encode_batch` of ~1 MB chunks cut at line ends, on all cores, with the
-    tokenizer phalanx trained; and tiktoken with the same merges (phalanx's Encoder) on all cores;
+    tokenizer phalanx trained; and tiktoken with the same merges (phalanx's Encoder) on all cores (cut at
+    any line end, so a few ids can differ from phalanx's, which cuts only where pre-tokens cannot change);
   * for each --recipe-sizes-gb: the recipe users write instead (nanoGPT's prepare.py, with a batched map):
     `datasets.load_dataset("text")`, `.map(batched=True, num_proc=cores)` with PreTrainedTokenizerFast and
     an end-of-text token per line, then all ids into a uint16 np.memmap, in a fresh HF_DATASETS_CACHE.
@@ -41,7 +42,8 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
-SOURCES = [DATA / "wikitext2" / "validation.txt", DATA / "wikitext2" / "test.txt", DATA / "tinyshakespeare" / "input.txt"]
+SOURCES = [DATA / "wikitext2" / "validation.txt", DATA / "wikitext2" / "test.txt",
+           DATA / "tinyshakespeare" / "input.txt"]
 CONFIG = REPO / "examples" / "shakespeare.yaml"
 SEED = 20240609
 GB, MB = 1e9, 1e6  # decimal, as MB/s
@@ -55,7 +57,7 @@ TRAIN = ["train.max_steps=20", "train.eval_every=0", "train.eval_max_samples=64"
 def source_lines() -> list[bytes]:
     lines = []
     for path in SOURCES:
-        lines += [line if line.endswith(b"\n") else line + b"\n" for line in path.read_bytes().splitlines(keepends=True)]
+        lines += [x if x.endswith(b"\n") else x + b"\n" for x in path.read_bytes().splitlines(keepends=True)]
     return lines
 
 
@@ -166,6 +168,10 @@ def measure(cmd: list[str], log: Path, env: dict | None = None) -> dict:
             "processes": len(watch.procs), "rank_peak_bytes": watch.rank_peaks()}
 
 
+def cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
 def phalanx(*args) -> list[str]:
     return [sys.executable, "-m", "phalanx", *map(str, args)]
 
@@ -220,14 +226,14 @@ def child_raw(corpus: Path, tok_dir: Path, limit: int, kind: str) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     chunks = text_chunks(corpus, limit)
-    cores = len(os.sched_getaffinity(0))
+    threads = cores()
     if kind == "tokenizers":
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
         t0, tokens = time.perf_counter(), 0
-        for i in range(0, len(chunks), 8 * cores):  # bounded batches: an Encoding holds much more than ids
-            tokens += sum(len(e.ids) for e in tok.encode_batch(chunks[i:i + 8 * cores], add_special_tokens=False))
+        for i in range(0, len(chunks), 8 * threads):  # bounded batches: an Encoding holds much more than ids
+            tokens += sum(len(e.ids) for e in tok.encode_batch(chunks[i:i + 8 * threads], add_special_tokens=False))
     else:
         sys.path.insert(0, str(REPO))
         from phalanx.data.encoder import Encoder
@@ -236,11 +242,11 @@ def child_raw(corpus: Path, tok_dir: Path, limit: int, kind: str) -> dict:
         if enc.kind != "tiktoken":
             return {"skipped": "tiktoken cannot express this tokenizer"}
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(cores) as pool:
+        with ThreadPoolExecutor(threads) as pool:
             tokens = sum(a.size for a in pool.map(lambda c: enc.flat([c], None), chunks))
     seconds = time.perf_counter() - t0
     return {"input_bytes": sum(len(c.encode()) for c in chunks), "tokens": tokens, "encode_s": seconds,
-            "threads": cores}
+            "threads": threads}
 
 
 def child_recipe(corpus: Path, tok_dir: Path, eos: int, out: Path) -> dict:
@@ -249,7 +255,6 @@ def child_recipe(corpus: Path, tok_dir: Path, eos: int, out: Path) -> dict:
     import numpy as np
     from transformers import PreTrainedTokenizerFast
 
-    cores = len(os.sched_getaffinity(0))
     tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
 
     def tokenize(batch):
@@ -257,7 +262,7 @@ def child_recipe(corpus: Path, tok_dir: Path, eos: int, out: Path) -> dict:
         return {"ids": ids, "len": [len(x) for x in ids]}
 
     ds = datasets.load_dataset("text", data_files=str(corpus), split="train")
-    tokenized = ds.map(tokenize, batched=True, num_proc=cores, remove_columns=["text"])
+    tokenized = ds.map(tokenize, batched=True, num_proc=cores(), remove_columns=["text"])
     total = int(np.sum(tokenized.with_format("numpy")["len"], dtype=np.uint64))
     arr = np.memmap(out, dtype=np.uint16, mode="w+", shape=(total,))
     shards, idx = min(1024, len(tokenized)), 0
@@ -296,8 +301,8 @@ def run_recipe(corpus: Path, tok_dir: Path, eos: int, work: Path, logs: Path) ->
     m, r = run_child(["recipe", corpus, tok_dir, eos, work / "recipe.bin"], logs / "recipe.log", env)
     shutil.rmtree(hf, ignore_errors=True)
     (work / "recipe.bin").unlink(missing_ok=True)
-    cores = len(os.sched_getaffinity(0))
-    return {"what": f"HF datasets recipe, {corpus.stat().st_size / GB:g} GB corpus ({cores} procs, whole run)", "input_bytes": corpus.stat().st_size,
+    size = corpus.stat().st_size
+    return {"what": f"HF datasets recipe, {size / GB:g} GB corpus ({cores()} procs, whole run)", "input_bytes": size,
             "seconds": m["wall_s"], "tokens": r["tokens"], "rows": r["rows"], "peak_tree_bytes": m["peak_tree_bytes"]}
 
 
@@ -307,9 +312,8 @@ def header() -> list[str]:
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
     dirty = " (+ uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
-    cores = len(os.sched_getaffinity(0))
     return ["# phalanx prepare benchmark", "",
-            f"machine: {cores} cores, {psutil.virtual_memory().total / 2 ** 30:.0f} GiB RAM; "
+            f"machine: {cores()} cores, {psutil.virtual_memory().total / 2 ** 30:.0f} GiB RAM; "
             f"phalanx commit {git('rev-parse', '--short', 'HEAD')}{dirty}; {time.strftime('%Y-%m-%d %H:%M')}", ""]
 
 
@@ -322,8 +326,8 @@ def main_table(results: list[dict]) -> list[str]:
         first = f"{t['first_step_s']:.1f} ({t['startup_s']:.1f})" if t else "-"
         ranks = " / ".join(f"{v:.0f}" for v in t["rank_peak_mb"]) if t else "-"
         out.append(f"| {p['corpus_bytes'] / GB:g} | {p['wall_s']:.1f} | {p['mb_per_s']:.1f} | "
-                   f"{p['tokens_per_s'] / 1e6:.2f} | {p['peak_tree_bytes'] / 2 ** 30:.2f} | {p['store_bytes'] / MB:.1f} | "
-                   f"{p['shards']} | {p['rerun_s']:.2f} | {first} | {ranks} |")
+                   f"{p['tokens_per_s'] / 1e6:.2f} | {p['peak_tree_bytes'] / 2 ** 30:.2f} | "
+                   f"{p['store_bytes'] / MB:.1f} | {p['shards']} | {p['rerun_s']:.2f} | {first} | {ranks} |")
     return out
 
 

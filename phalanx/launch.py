@@ -79,7 +79,8 @@ def prepare_data(cfg: Config, workers: int = 0, progress: bool | None = None) ->
     if not hasattr(task_cls, "prepare_data"):
         return {}
     if progress is None:
-        progress = cfg.log.progress != "off"
+        # the bar follows log.progress (auto = only on an interactive terminal)
+        progress = cfg.log.progress == "bar" or (cfg.log.progress == "auto" and sys.stderr.isatty())
     return task_cls.prepare_data(cfg, workers or cfg.data.prepare_workers, progress)
 
 

@@ -243,24 +243,38 @@ def test_classification_metrics_match_hand_computed():
     assert m["eval/confusion_matrix"] == conf.tolist()
 
 
-def test_label_names_discovered_sorted_or_configured(tmp_path):
-    ints = labelled.read_examples(str(write_jsonl(tmp_path / "i.jsonl", [{"text": "x", "label": v} for v in
-                                                                         (10, 2, 2, 7)])),
-                                  "auto", "text", "", "label", "data.train")
-    assert labelled.label_names(ints, []) == ["2", "7", "10"]  # numeric order, not string order
-    assert labelled.label_ids(ints, ["2", "7", "10"], False, ints).tolist() == [2, 0, 0, 1]
-    strs = labelled.read_examples(str(write_jsonl(tmp_path / "s.jsonl", [{"text": "x", "label": v} for v in
-                                                                         ("pos", "neg", "pos")])),
-                                  "auto", "text", "", "label", "data.train")
-    assert labelled.label_names(strs, []) == ["neg", "pos"]
-    assert labelled.label_ids(strs, ["pos", "neg"], True, strs).tolist() == [0, 1, 0]
+def test_label_names_discovered_sorted_or_configured():
+    def seen(*values):
+        return [(v, lambda i=i: f"row {i + 1}") for i, v in enumerate(values)]
+    assert labelled.label_names(seen(10, 2, 7), []) == ["2", "7", "10"]  # numeric order, not string order
+    names = ["2", "7", "10"]
+    assert [labelled.class_lookup(names, False, int)[v] for v in (10, 2, 2, 7)] == [2, 0, 0, 1]
+    assert labelled.label_names(seen("pos", "neg"), []) == ["neg", "pos"]
+    assert [labelled.class_lookup(["pos", "neg"], True, str)[v] for v in ("pos", "neg", 1)] == [0, 1, 1]
     with pytest.raises(ConfigError, match="at least 2 labels"):
-        labelled.label_names(strs.take(0, 1), [])
-    mixed = labelled.read_examples(str(write_jsonl(tmp_path / "m.jsonl", [{"text": "x", "label": v} for v in
-                                                                          (1, "one")])),
-                                   "auto", "text", "", "label", "data.train")
-    with pytest.raises(ConfigError, match="m.jsonl' line 2: label 'one' mixes integer and string"):
-        labelled.label_names(mixed, [])
+        labelled.label_names(seen("pos"), [])
+    with pytest.raises(ConfigError, match="row 2: label 'one' mixes integer and string"):
+        labelled.label_names(seen(1, "one"), [])
+
+
+def test_streamed_store_matches_transformers_encoding_and_holds_out_the_last_rows(tmp_path, cache_dir):
+    """Rows in many tiny pieces (2 encoding processes): ids equal the transformers tokenizer's on each row,
+    labels and lengths follow the rows, and without data.validation the last rows are held out."""
+    rows = [json.loads(line) for line in (SST2 / "train.jsonl").read_text().splitlines()[:600]]
+    train = write_jsonl(tmp_path / "t.jsonl", rows)
+    cfg = load_config(None, [*SMALL, f"data.train={train}", "data.val_fraction=0.25", "data.shard_mb=0.003",
+                             f"data.cache_dir={tmp_path / 'c'}"])
+    ClassifyTask.prepare_data(cfg, workers=2, progress=False)
+    task = ClassifyTask(cfg, SimpleNamespace(is_local_main=True))
+    task.prepare()
+    assert len(task.train_set) == 450 and len(task.val_set) == 150
+    index = json.loads(next((tmp_path / "c").glob("classify-*/index.json")).read_text())
+    assert sum(len(v) for v in index["shards"].values()) > 10
+    enc = task.tokenizer([r["text"] for r in rows], truncation=True, max_length=64)["input_ids"]
+    for split, offset in ((task.train_set, 0), (task.val_set, 450)):
+        for i in range(len(split)):
+            assert split.example(i)[0].tolist() == enc[offset + i]
+            assert task.names[split.labels[i]] == str(rows[offset + i]["label"])
 
 
 @pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert"])

@@ -1,13 +1,13 @@
-"""Labelled text for classification: rows -> texts, optional second texts and labels, label ids, token arrays.
+"""Labelled text for classification: label names and ids, the ragged encoded-set format, and the small
+in-memory reader `phalanx predict` uses for its input file (training data is streamed: labelled_store.py).
 
 Every problem with the data is a `ConfigError` naming the file and line (JSONL) or row (CSV, Parquet,
-hub data), so the launcher can reject bad input before any worker starts. Tokenized splits are stored
-ragged (one flat id array + offsets), which is what dynamic padding and length grouping need.
+hub data). Tokenized splits are stored ragged (one flat id array + offsets), which is what dynamic
+padding and length grouping need.
 """
 from __future__ import annotations
 
 import bisect
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,45 +88,29 @@ def read_examples(spec: str, fmt: str, text_field: str, pair_field: str, label_f
     return ex
 
 
-def holdout(ex: Examples, fraction: float) -> tuple[Examples, Examples]:
-    """The last `fraction` of the rows as validation (deterministic: no shuffling)."""
-    cut = max(1, int(round(len(ex) * (1 - fraction))))
-    return ex.take(0, cut), ex.take(cut, len(ex))
-
-
-def label_names(train: Examples, configured: list[str]) -> list[str]:
-    """Class names in id order: `data.labels` when given, else the training labels sorted."""
-    kind = type(train.labels[0])
-    odd = next((i for i, v in enumerate(train.labels) if type(v) is not kind), None)
+def label_names(labels: list[tuple], configured: list[str]) -> list[str]:
+    """Class names in id order: `data.labels` when given, else the training labels sorted. `labels` are
+    the distinct training labels, each with a function naming where it was first seen."""
+    first, kind = labels[0][0], type(labels[0][0])
+    odd = next(((v, where) for v, where in labels if type(v) is not kind), None)
     if odd is not None:
-        raise ConfigError(f"{train.where(odd)}: label {train.labels[odd]!r} mixes integer and string labels "
-                          f"(the first label is {train.labels[0]!r})")
+        raise ConfigError(f"{odd[1]()}: label {odd[0]!r} mixes integer and string labels (the first label is {first!r})")
     if configured:
         names = list(configured)
         if len(set(names)) != len(names):
             raise ConfigError(f"config key 'data.labels': repeated names in {names}")
     else:
-        names = [str(v) for v in sorted(set(train.labels))]
+        names = [str(v) for v in sorted(v for v, _ in labels)]
     if len(names) < 2:
         raise ConfigError(f"config key 'data.labels': classification needs at least 2 labels, found {names}")
     return names
 
 
-def label_ids(ex: Examples, names: list[str], configured: bool, train: Examples) -> np.ndarray:
-    """Class id of every row; a label outside the known classes names its file and line."""
+def class_lookup(names: list[str], configured: bool, kind: type) -> dict:
+    """Raw label -> class id: a configured name or index, or a discovered value of the labels' type."""
     if configured:
-        lookup = {**{n: i for i, n in enumerate(names)}, **{i: i for i in range(len(names))}}
-    else:
-        kind = type(train.labels[0])
-        lookup = {kind(n): i for i, n in enumerate(names)}
-    out = np.empty(len(ex), dtype=np.int64)
-    for i, value in enumerate(ex.labels):
-        if value not in lookup:
-            known = "data.labels" if configured else "the training data"
-            raise ConfigError(f"{ex.where(i)}: label {value!r} is not one of the labels of {known} "
-                              f"({', '.join(names)[:200]})")
-        out[i] = lookup[value]
-    return out
+        return {**{n: i for i, n in enumerate(names)}, **{i: i for i in range(len(names))}}
+    return {kind(n): i for i, n in enumerate(names)}
 
 
 class EncodedSet:
@@ -173,11 +157,3 @@ def encode(tokenizer, ex: Examples, max_length: int, labels: np.ndarray | None,
     flat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dtype=dt))
     return EncodedSet(flat(ids, dtype), flat(types, np.uint8), offsets,
                       labels if labels is not None else np.zeros(len(lengths), dtype=np.int64))
-
-
-def save_meta(folder: Path, meta: dict) -> None:
-    (folder / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
-
-
-def load_meta(folder: Path) -> dict:
-    return json.loads((folder / "meta.json").read_text(encoding="utf-8"))

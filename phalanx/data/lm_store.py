@@ -106,7 +106,7 @@ def store_is_current(folder: Path, identity: list) -> bool:
 
 def prepare_lm(cfg: Config, workers: int = 0, progress: bool = True, say=None) -> dict:
     """Make sure the tokenizer and token stores of `cfg` exist; returns a summary per split."""
-    say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+    say = say or (lambda text: print(text, flush=True))  # stdout: stderr is for errors
     d = cfg.data
     root = cache.cache_root(d.cache_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -133,10 +133,12 @@ def build_store(cfg: Config, folder: Path, spec: str, key: str, split: str, iden
     kind, why = encoder.choose(tok_dir, sample) if sample else ("tokenizers", "no sample")
     job = EncodeJob(str(folder), str(tok_dir), kind, store.token_dtype(len(tokenizer)).name,
                     tokenizer.eos_token_id, d.text_field)
-    plan = pieces.plan(spec, d.format, text_fields(cfg), key, split, int(d.shard_mb * (1 << 20)))
-    bar = prepare.progress_bar(progress, pieces.plan_size(spec, key), f"{key}")
+    total = pieces.plan_size(spec, key)
+    size = prepare.piece_bytes(d.shard_mb, total)
+    plan = pieces.plan(spec, d.format, text_fields(cfg), key, split, size)
+    bar = prepare.progress_bar(progress, total, f"{key}")
     try:
-        records = prepare.Encoding(encode_piece, job, folder, workers, bar).run(plan)
+        records = prepare.Encoding(encode_piece, job, folder, prepare.pool_size(workers, total, size), bar).run(plan)
     finally:
         bar.close()
     seconds = time.perf_counter() - t0

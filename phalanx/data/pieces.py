@@ -151,7 +151,7 @@ def plan(spec: str, fmt: str, fields: Fields, key: str, split: str, piece_bytes:
     for path in files_of(spec, key):
         kind = format_of(path, fmt)
         if path.stat().st_size == 0:
-            raise ConfigError(f"data file '{path}': empty file")
+            raise ConfigError(f"data file '{path}': no rows (empty file)")
         if kind == "text" and len(fields) > 1:
             raise ConfigError(f"data file '{path}': plain text has no fields "
                               f"({', '.join(n for n, _ in fields)}); use JSON Lines, CSV or Parquet")
@@ -218,9 +218,13 @@ def jsonl_rows(buf: bytes, path: str, base: int, fields: Fields) -> list[tuple]:
         def where(start=start) -> str:
             return f"data file '{path}' line {line_of(path, base + start)}"
         try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{where()}: malformed JSON ({getattr(e, 'msg', e)})") from None
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{where()}: not valid UTF-8 (byte offset {base + start + e.start})") from None
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where()}: malformed JSON ({e.msg})") from None
         out.append(values_of(row, fields, where))
     return out
 

@@ -102,7 +102,7 @@ def check_sample(cfg: Config, fields: pieces.Fields, head: int = 1 << 20, window
         for path in files_of(spec, key):
             kind, size = format_of(path, d.format), path.stat().st_size
             if size == 0:
-                raise ConfigError(f"data file '{path}': empty file")
+                raise ConfigError(f"data file '{path}': no rows (empty file)")
             if kind not in ("text", "jsonl"):
                 continue
             spans = [(0, min(size, head))] + [(size * (i + 1) // (windows + 1), size * (i + 1) // (windows + 1) + width)
@@ -110,6 +110,18 @@ def check_sample(cfg: Config, fields: pieces.Fields, head: int = 1 << 20, window
             for lo, hi in spans:
                 _window(path, kind, lo, min(hi, size), size, fields)
 
+
+
+def piece_bytes(shard_mb: float, total: int) -> int:
+    """Bytes per piece: data.shard_mb, but small enough that a corpus of known size splits into ~64
+    pieces (down to 1 MB) so every core has work. It depends on the data only, never on the workers."""
+    limit = max(1, int(shard_mb * (1 << 20)))
+    return max(min(limit, total // 64), min(limit, 1 << 20)) if total else limit
+
+
+def pool_size(workers: int, total: int, per_piece: int) -> int:
+    """No pool (its start-up costs ~1 s) when the input is one piece."""
+    return 1 if 0 < total <= per_piece else (workers or cores())
 
 
 def cores() -> int:

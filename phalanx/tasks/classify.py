@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,38 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Config, ConfigError
-from ..data import cache, labelled, sources, tokenizer as toks
+from ..data import labelled, labelled_store, prepare, tokenizer as toks
 from ..data.samplers import eval_shard, length_grouped_order
 from ..model import build_classifier
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-
-
-@dataclass
-class Splits:
-    train: labelled.Examples
-    val: labelled.Examples
-    names: list[str]
-    train_ids: np.ndarray
-    val_ids: np.ndarray
-
-
-def load_splits(cfg: Config) -> Splits:
-    """Read, check and label both splits; every problem is a ConfigError naming file and line."""
-    d = cfg.data
-    if not d.train:
-        raise ConfigError("config key 'data.train': task 'classify' needs labelled training data "
-                          "(a JSONL/CSV/Parquet file, a folder of them, or hf:NAME)")
-    fields = (d.text_field, d.text_pair_field, d.label_field)
-    train = labelled.read_examples(d.train, d.format, *fields, "data.train", "train")
-    if d.validation:
-        val = labelled.read_examples(d.validation, d.format, *fields, "data.validation", "validation")
-    else:
-        train, val = labelled.holdout(train, d.val_fraction)
-    names = labelled.label_names(train, d.labels)
-    configured = bool(d.labels)
-    return Splits(train, val, names, labelled.label_ids(train, names, configured, train),
-                  labelled.label_ids(val, names, configured, train))
 
 
 def uses_token_types(hf_config) -> bool:
@@ -56,9 +29,10 @@ def uses_token_types(hf_config) -> bool:
     return getattr(hf_config, "type_vocab_size", 0) > 1
 
 
-def _folder_files(spec: str) -> list[Path]:
-    p = Path(spec)
-    return sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else []
+def _check_has_data(cfg: Config) -> None:
+    if not cfg.data.train:
+        raise ConfigError("config key 'data.train': task 'classify' needs labelled training data "
+                          "(a JSONL/CSV/Parquet file, a folder of them, or hf:NAME)")
 
 
 class ClassifyTask:
@@ -70,72 +44,52 @@ class ClassifyTask:
         self.names: list[str] = []
         self.use_types = False
 
+    # ---- data -------------------------------------------------------------------------------
     @staticmethod
     def preflight(cfg: Config) -> None:
-        """Read all data once in the launcher so bad files fail before any worker starts."""
-        load_splits(cfg)
+        """Bounded checks in the launcher (files exist, UTF-8, JSON, fields on a sample)."""
+        _check_has_data(cfg)
+        prepare.check_sample(cfg, labelled_store.fields_of(cfg))
 
-    # ---- data -------------------------------------------------------------------------------
-    def _source_fingerprint(self) -> str:
-        d = self.cfg.data
-        files = [f for spec, key in ((d.train, "data.train"), (d.validation, "data.validation"))
-                 if spec and not spec.startswith("hf:") for f in sources.files_of(spec, key)]
-        return cache.fingerprint("classify", d.train, d.validation, d.val_fraction, d.format, d.text_field,
-                                 d.text_pair_field, d.label_field, *files)
+    @staticmethod
+    def prepare_data(cfg: Config, workers: int = 0, progress: bool = True) -> dict:
+        """The data step (`phalanx prepare`, or the launcher before workers start)."""
+        _check_has_data(cfg)
+        summary = labelled_store.prepare_classify(cfg, workers, progress)
+        return {"train": summary}
 
-    def _load_tokenizer(self, root: Path, src: str, splits):
-        d, m, wait = self.cfg.data, self.cfg.model, self.cfg.dist.startup_timeout_s
-        spec = d.tokenizer or m.pretrained
-        if spec:
-            tok, fp = toks.load_pretrained(spec), cache.fingerprint("pretrained", spec, *_folder_files(spec))
+    def prepare(self) -> None:
+        """Open the prepared splits; started by an outside torchrun/srun, the node's first process
+        prepares them and the others wait for the index file."""
+        cfg = self.cfg
+        if not labelled_store.ready(cfg):
+            if self.info.is_local_main:
+                labelled_store.prepare_classify(cfg, progress=False, say=lambda text: print(text, flush=True))
+            else:
+                deadline = time.monotonic() + cfg.dist.startup_timeout_s
+                while not labelled_store.ready(cfg):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"waited {cfg.dist.startup_timeout_s:.0f}s for the node's first "
+                                           f"process to prepare the data")
+                    time.sleep(0.1)
+        data = labelled_store.open_classify(cfg)
+        if cfg.model.pretrained:
+            from transformers import AutoConfig
+            self.use_types = uses_token_types(AutoConfig.from_pretrained(_hub_name(cfg.model.pretrained)))
         else:
-            fp = cache.fingerprint(src, "wordpiece", d.vocab_size)
+            self.use_types = cfg.model.arch == "bert"
+        self.tokenizer = self._load_tokenizer(data.tokenizer_dir)
+        self.names, self.train_set, self.val_set = data.names, data.train, data.validation
 
-            def train_tokenizer(tmp: Path) -> None:
-                s = splits()
-                toks.train_wordpiece(s.train.texts + (s.train.pairs or []), d.vocab_size).save_pretrained(tmp)
-
-            tok = toks.load_saved(cache.build_once(root / f"tokenizer-{fp}", train_tokenizer,
-                                                   is_builder=self.info.is_local_main, timeout_s=wait))
-        if tok.pad_token_id is None:
-            raise ValueError(f"the tokenizer of '{spec}' has no padding token (pad_token)")
+    def _load_tokenizer(self, folder):
+        tok = toks.load_saved(folder)
         # Saved with final/, so transformers users truncate the same way and get segment ids exactly when
         # the model has a segment embedding (a tokenizer trained here would otherwise omit them).
-        tok.model_max_length = d.max_length
+        tok.model_max_length = self.cfg.data.max_length
         names = ["input_ids", "token_type_ids", "attention_mask"] if self.use_types else \
             ["input_ids", "attention_mask"]
         tok.model_input_names = tok.init_kwargs["model_input_names"] = names
-        return tok, fp
-
-    def prepare(self) -> None:
-        d = self.cfg.data
-        root, src = cache.cache_root(d.cache_dir), self._source_fingerprint()
-        memo = {}
-
-        def splits() -> Splits:  # only the builder reads the raw data (once); the others load the cache
-            if "s" not in memo:
-                memo["s"] = load_splits(self.cfg)
-            return memo["s"]
-
-        if self.cfg.model.pretrained:
-            from transformers import AutoConfig
-            self.use_types = uses_token_types(AutoConfig.from_pretrained(_hub_name(self.cfg.model.pretrained)))
-        else:
-            self.use_types = self.cfg.model.arch == "bert"
-        self.tokenizer, tok_fp = self._load_tokenizer(root, src, splits)
-
-        def build(tmp: Path) -> None:
-            s = splits()
-            labelled.encode(self.tokenizer, s.train, d.max_length, s.train_ids).save(tmp / "train")
-            labelled.encode(self.tokenizer, s.val, d.max_length, s.val_ids).save(tmp / "validation")
-            labelled.save_meta(tmp, {"labels": s.names})
-
-        fp = cache.fingerprint(src, tok_fp, d.max_length, d.labels, "classify-v1")
-        folder = cache.build_once(root / f"classify-{fp}", build, is_builder=self.info.is_local_main,
-                                  timeout_s=self.cfg.dist.startup_timeout_s)
-        self.names = labelled.load_meta(folder)["labels"]
-        self.train_set = labelled.EncodedSet.load(folder / "train")
-        self.val_set = labelled.EncodedSet.load(folder / "validation")
+        return tok
 
     def train_order(self):
         if not self.cfg.data.group_by_length:

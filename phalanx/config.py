@@ -70,10 +70,11 @@ class DataConfig:
     max_length: int = _f(128, "classify: truncate sequences to this many tokens", min=8, max=65536)
     group_by_length: bool = _f(True, "classify: form batches of similar length (less padding)")
     cache_dir: str = _f("", "token cache folder; empty = $XDG_CACHE_HOME/phalanx or ~/.cache/phalanx")
-    shard_mb: float = _f(32.0, "lm: input megabytes per piece of work and token-store shard (memory per "
-                         "preparing process is about twice this)", min=0.001, max=4096.0)
-    tokenizer_sample_mb: float = _f(32.0, "lm: megabytes of training text (a deterministic sample spread "
-                                    "over the corpus) a tokenizer is trained on", min=0.01, max=100_000.0)
+    shard_mb: float = _f(32.0, "input megabytes per piece of work and store shard, at most (a corpus is cut "
+                         "into ~64 pieces of at least 1 MB so every core has work); memory per preparing "
+                         "process is about twice this", min=0.001, max=4096.0)
+    tokenizer_sample_mb: float = _f(32.0, "megabytes of training data (a deterministic sample spread over "
+                                    "the corpus) a tokenizer is trained on", min=0.01, max=100_000.0)
     val_max_tokens: int = _f(5_000_000, "lm: at most this many tokens held out by data.val_fraction",
                              min=0)
     prepare_workers: int = _f(0, "processes that encode the data; 0 = the available cores", min=0)

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 from tokenizers import Tokenizer
 
 from conftest import REPO, SHAKESPEARE, phalanx

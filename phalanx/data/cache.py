@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 
 def cache_root(configured: str) -> Path:
     if configured:
@@ -68,16 +66,3 @@ def build_once(path: Path, build: Callable[[Path], None], *, is_builder: bool, t
             raise TimeoutError(f"waited {timeout_s:.0f}s for '{path}' from the node's main process")
         time.sleep(0.05)
     return path
-
-
-def save_tokens(ids: np.ndarray, tmp: Path) -> None:
-    with open(tmp, "wb") as f:
-        np.save(f, ids)
-
-
-def load_tokens(path: Path) -> np.ndarray:
-    return np.load(path, mmap_mode="r")
-
-
-def token_dtype(vocab_size: int):
-    return np.uint16 if vocab_size <= 65536 else np.uint32

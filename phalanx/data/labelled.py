@@ -7,85 +7,41 @@ padding and length grouping need.
 """
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..config import ConfigError
-from . import sources
+from . import pieces, sources
 
 
 @dataclass
 class Examples:
-    """Rows of one split. `spans` maps the first row of each source file to its name (for messages)."""
+    """Texts (and second texts for pairs) held in memory: `phalanx predict`'s input file."""
     texts: list[str]
-    pairs: list[str] | None
-    labels: list | None
-    spans: list[tuple[int, str]] = field(default_factory=list)
+    pairs: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.texts)
 
-    def where(self, i: int) -> str:
-        """'data file X line L' (JSONL) or 'data file X row R' for row i (0-based, over all files)."""
-        starts = [s for s, _ in self.spans]
-        k = max(0, bisect.bisect_right(starts, i) - 1)
-        start, name = self.spans[k] if self.spans else (0, "?")
-        return _location(name, i - start)
-
     def take(self, lo: int, hi: int) -> "Examples":
-        cut = (lambda xs: xs[lo:hi] if xs is not None else None)
-        spans = [(s - lo, n) for s, n in self.spans if s < hi]  # a negative start: the file began before lo
-        return Examples(cut(self.texts), cut(self.pairs), cut(self.labels), spans)
+        return Examples(self.texts[lo:hi], self.pairs[lo:hi] if self.pairs is not None else None)
 
 
-def _location(name: str, row: int) -> str:
-    path = Path(name)
-    if path.suffix == ".jsonl" and path.is_file():
-        seen = -1  # blank lines are skipped when reading, so count only non-blank ones
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                seen += bool(line.strip())
-                if seen == row:
-                    return f"data file '{name}' line {lineno}"
-    kind = "data" if name.startswith("hf:") else "data file"
-    return f"{kind} '{name}' row {row + 1}"
-
-
-def _rows_of_file(path: Path, fmt: str, text_field: str) -> list[dict]:
-    if sources.format_of(path, fmt) == "text":  # plain text: one example per non-blank line
-        text = sources.read_records(str(path), "text", "data")[0]["text"]
-        rows = [{text_field: line} for line in text.splitlines() if line.strip()]
-        if not rows:
+def read_inputs(path: str, text_field: str, pair_field: str) -> Examples:
+    """Rows of a JSONL/CSV/Parquet file (read by the same checked readers as training data), or one text
+    per non-blank line of a plain-text file."""
+    p = Path(path)
+    if sources.format_of(p, "auto") == "text" and not pair_field:
+        texts = [line for line in pieces.decode(p.read_bytes(), path, 0).splitlines() if line.strip()]
+        if not texts:
             raise ConfigError(f"data file '{path}': no rows (empty file)")
-        return rows
-    return sources.read_records(str(path), fmt, "data")
-
-
-def read_examples(spec: str, fmt: str, text_field: str, pair_field: str, label_field: str | None, key: str,
-                  split: str = "train") -> Examples:
-    """Texts (+ second texts when `pair_field`) and raw labels (when `label_field`) of a data source."""
-    if spec.startswith("hf:"):
-        parts = [(spec, sources.read_records(spec, fmt, key, split))]
-    else:
-        parts = [(str(p), _rows_of_file(p, fmt, text_field)) for p in sources.files_of(spec, key)]
-    ex = Examples([], [] if pair_field else None, [] if label_field else None)
-    for name, rows in parts:
-        offset = len(ex.texts)
-        ex.spans.append((offset, name))
-
-        def at(i, offset=offset):  # row i of this part, named by file and line
-            return ex.where(offset + i)
-        ex.texts += sources.field_values(rows, text_field, at, "text")
-        if pair_field:
-            ex.pairs += sources.field_values(rows, pair_field, at, "text")
-        if label_field:
-            ex.labels += sources.field_values(rows, label_field, at, "label")
-    if not ex.texts:
-        raise ConfigError(f"config key '{key}': '{spec}' holds no examples")
-    return ex
+        return Examples(texts)
+    fields = ((text_field, "text"),) + (((pair_field, "text"),) if pair_field else ())
+    rows = [row for piece in pieces.plan(path, "auto", fields, "--input", "test", 1 << 40)
+            for batch, _ in (pieces.rows(piece, fields) if piece.kind != "text" else ()) for row in batch]
+    return Examples([r[0] for r in rows], [r[1] for r in rows] if pair_field else None)
 
 
 def label_names(labels: list[tuple], configured: list[str]) -> list[str]:

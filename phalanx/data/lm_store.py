@@ -8,7 +8,6 @@ text file, or a row); without `data.validation`, the last `data.val_fraction` of
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -208,7 +208,7 @@ def _read_inputs(cfg: Config, path: str) -> labelled.Examples:
     if not Path(path).is_file():
         raise ConfigError(f"--input: file '{path}' not found")
     d = cfg.data
-    return labelled.read_examples(path, "auto", d.text_field, d.text_pair_field, None, "--input", "test")
+    return labelled.read_inputs(path, d.text_field, d.text_pair_field)
 
 
 def run(args) -> int:

@@ -63,7 +63,8 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
     except CheckpointError as e:
         raise ConfigError(f"resume: {e}") from None
     if meta and not force_resume:
-        saved, now = meta.get("config", {}), relevant_subset(cfg)
+        # A key the checkpoint predates counts as its default (old checkpoints stay resumable).
+        saved, now = {**relevant_subset(Config()), **meta.get("config", {})}, relevant_subset(cfg)
         changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         if changed:
             raise ConfigError(f"checkpoint '{path}' was made with different training settings: "

@@ -107,3 +107,12 @@ def test_grouping_stays_aligned_with_micro_batches_in_later_epochs():
 def test_eval_shards_cover_exactly(n, world):
     got = [i for r in range(world) for i in eval_shard(n, r, world)]
     assert got == list(range(n))
+
+
+def test_compact_permutation_is_numpys_permutation():
+    """The uint32 order array is the very permutation rng.permutation gives (trajectories unchanged)."""
+    from phalanx.data.samplers import permutation
+
+    for n in (1, 17, 100_003):
+        got = permutation(n, np.random.default_rng([3, 1]))
+        assert got.dtype == np.uint32 and np.array_equal(got, np.random.default_rng([3, 1]).permutation(n))

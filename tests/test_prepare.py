@@ -26,8 +26,9 @@ TRICKY = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n  in
 
 
 def tokenizer_dir(tmp_path: Path, text: str) -> Path:
-    folder = tmp_path / "tok"
-    toks.train_bpe([text], 400).save_pretrained(folder)
+    raw, folder = tmp_path / "tok-raw", tmp_path / "tok"
+    toks.save_trained(toks.train_bpe([text], 400), "bpe", raw)
+    toks.load_saved(raw).save_pretrained(folder)  # a transformers folder, as data.tokenizer expects
     return folder
 
 

@@ -7,13 +7,15 @@ the corpus is deterministic for a given Python installation.
 from __future__ import annotations
 
 import ast
+from functools import lru_cache
 import sysconfig
 from pathlib import Path
 
 MAX_CHARS = 3_000_000
 
 
-def stdlib_docstrings(max_chars: int = MAX_CHARS) -> list[str]:
+@lru_cache(maxsize=1)  # parsing the standard library takes seconds; preparation reads it more than once
+def stdlib_docstrings(max_chars: int = MAX_CHARS) -> tuple[str, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     docs, total = [], 0
     for path in sorted(root.rglob("*.py")):
@@ -31,4 +33,4 @@ def stdlib_docstrings(max_chars: int = MAX_CHARS) -> list[str]:
                     total += len(doc)
         if total >= max_chars:
             break
-    return docs
+    return tuple(docs)

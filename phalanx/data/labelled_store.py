@@ -94,35 +94,7 @@ def _encode(job_and_folder, piece: pieces.Piece) -> dict:
 
 # ---- tokenizer, folder ---------------------------------------------------------------------------
 def tokenizer_fingerprint(cfg: Config) -> str:
-    d, spec = cfg.data, cfg.data.tokenizer or cfg.model.pretrained
-    if spec:
-        local = Path(spec)
-        return cache.fingerprint("pretrained", spec, *(sorted(f for f in local.iterdir() if f.is_file())
-                                                       if local.is_dir() else []))
-    return cache.fingerprint(VERSION, "wordpiece", d.vocab_size, d.tokenizer_sample_mb, d.val_fraction, d.format,
-                             fields_of(cfg), json.dumps(source_identity(d.train, d.format, "data.train")))
-
-
-def prepare_tokenizer(cfg: Config, root: Path, say) -> Path:
-    d, spec = cfg.data, cfg.data.tokenizer or cfg.model.pretrained
-
-    def build(tmp: Path) -> None:
-        if spec:
-            tok = toks.load_pretrained(spec)
-            if not getattr(tok, "is_fast", False):
-                raise ConfigError(f"tokenizer '{spec}': needs a fast (Rust) tokenizer with a tokenizer.json")
-        else:
-            t0 = time.perf_counter()
-            rows = prepare.sample_rows(cfg, fields_of(cfg), int(d.tokenizer_sample_mb * (1 << 20)))
-            texts = [t for r in rows for t in r[:-1]]
-            tok = toks.train_wordpiece(texts, d.vocab_size)
-            say(f"phalanx: trained a {d.vocab_size}-token WordPiece on {len(rows):,} sampled rows in "
-                f"{time.perf_counter() - t0:.1f} s")
-        if tok.pad_token_id is None:
-            raise ConfigError(f"tokenizer '{spec}': has no padding token (pad_token)")
-        tok.save_pretrained(tmp)
-
-    return cache.build_once(root / f"tokenizer-{tokenizer_fingerprint(cfg)}", build, is_builder=True, timeout_s=0)
+    return prepare.tokenizer_fingerprint(cfg, "wordpiece", fields_of(cfg))
 
 
 def folder_of(cfg: Config) -> Path:
@@ -140,15 +112,14 @@ def identity(cfg: Config) -> list:
 def prepare_classify(cfg: Config, workers: int = 0, progress: bool = True, say=None) -> dict:
     """Make sure the tokenizer and the encoded splits of `cfg` exist; returns a summary."""
     say = say or (lambda text: print(text, flush=True))  # stdout: stderr is for errors
-    root, folder = cache.cache_root(cfg.data.cache_dir), folder_of(cfg)
-    root.mkdir(parents=True, exist_ok=True)
-    tok_dir = prepare_tokenizer(cfg, root, say)
+    folder = folder_of(cfg)
+    tok_dir = prepare.prepare_tokenizer(cfg, "wordpiece", fields_of(cfg), "pad_token", say)
     index = store.read_index(folder)
     if index is not None and index.get("sources") == identity(cfg):
         return {**index["summary"], "reused": True}
     folder.mkdir(parents=True, exist_ok=True)
     t0, d = time.perf_counter(), cfg.data
-    job = ClassifyJob(str(tok_dir), d.max_length, fields_of(cfg), store.token_dtype(len(toks.load_saved(tok_dir))).name)
+    job = ClassifyJob(str(tok_dir), d.max_length, fields_of(cfg), store.token_dtype(toks.backend(tok_dir).get_vocab_size(with_added_tokens=True)).name)
     per_split = {}
     for spec, key, split in splits(cfg):
         total = pieces.plan_size(spec, key)

@@ -19,6 +19,7 @@ from . import cache, encoder, pieces, prepare, store, tokenizer as toks
 from .prepare import report, source_identity, splits
 
 VERSION = "lm-store-v1"
+SMALL = 8 << 20  # inputs up to this size are encoded by `tokenizers` directly
 
 
 @dataclass(frozen=True)
@@ -41,15 +42,9 @@ class LMData:
 
 
 
-def tokenizer_fingerprint(cfg: Config) -> str:
-    d, spec = cfg.data, cfg.data.tokenizer or cfg.model.pretrained
-    if spec:
-        local = Path(spec)
-        files = sorted(f for f in local.iterdir() if f.is_file()) if local.is_dir() else []
-        return cache.fingerprint("pretrained-tokenizer", spec, *files)
-    return cache.fingerprint(VERSION, "bpe", d.vocab_size, d.tokenizer_sample_mb, d.val_fraction, d.format,
-                             d.text_field, json.dumps(source_identity(d.train, d.format, "data.train")))
-
+def tokenizer_folder(cfg: Config) -> Path:
+    root = cache.cache_root(cfg.data.cache_dir)
+    return root / f"tokenizer-{prepare.tokenizer_fingerprint(cfg, 'bpe', text_fields(cfg))}"
 
 
 def text_fields(cfg: Config) -> pieces.Fields:
@@ -62,34 +57,6 @@ def check_sample(cfg: Config) -> None:
 
 def sample_texts(cfg: Config, budget: int) -> list[str]:
     return [row[0] for row in prepare.sample_rows(cfg, text_fields(cfg), budget)]
-
-
-def prepare_tokenizer(cfg: Config, root: Path, say) -> Path:
-    """The tokenizer as a local folder in the cache: trained on a sample, or a copy of a pretrained one."""
-    d = cfg.data
-    spec = d.tokenizer or cfg.model.pretrained
-
-    def build(tmp: Path) -> None:
-        if spec:
-            tok = toks.load_pretrained(spec)
-            if not getattr(tok, "is_fast", False):
-                raise ConfigError(f"tokenizer '{spec}': needs a fast (Rust) tokenizer with a tokenizer.json")
-        else:
-            t0 = time.perf_counter()
-            texts = sample_texts(cfg, int(d.tokenizer_sample_mb * (1 << 20)))
-            tok = toks.train_bpe(texts, d.vocab_size)
-            say(f"phalanx: trained a {d.vocab_size}-token byte-level BPE on a {sum(map(len, texts)) / 1e6:.1f} MB "
-                f"sample in {time.perf_counter() - t0:.1f} s")
-        if tok.eos_token_id is None:
-            raise ConfigError(f"tokenizer '{spec}': has no end-of-text token (eos_token)")
-        tok.save_pretrained(tmp)
-
-    return cache.build_once(root / f"tokenizer-{tokenizer_fingerprint(cfg)}", build, is_builder=True,
-                            timeout_s=0)
-
-
-def load_tokenizer(folder: Path):
-    return toks.load_saved(folder)
 
 
 # ---- stores --------------------------------------------------------------------------------------
@@ -109,7 +76,7 @@ def prepare_lm(cfg: Config, workers: int = 0, progress: bool = True, say=None) -
     d = cfg.data
     root = cache.cache_root(d.cache_dir)
     root.mkdir(parents=True, exist_ok=True)
-    tok_dir = prepare_tokenizer(cfg, root, say)
+    tok_dir = prepare.prepare_tokenizer(cfg, "bpe", text_fields(cfg), "eos_token", say)
     workers = workers or prepare.cores()
     summaries = {}
     for spec, key, split in splits(cfg):
@@ -123,16 +90,16 @@ def prepare_lm(cfg: Config, workers: int = 0, progress: bool = True, say=None) -
     return summaries
 
 
-
 def build_store(cfg: Config, folder: Path, spec: str, key: str, split: str, identity: list, tok_dir: Path,
                 workers: int, progress: bool, say) -> dict:
     d, t0 = cfg.data, time.perf_counter()
-    tokenizer = load_tokenizer(tok_dir)
-    sample = sample_texts(cfg, 1 << 20) if split == "train" else []
-    kind, why = encoder.choose(tok_dir, sample) if sample else ("tokenizers", "no sample")
-    job = EncodeJob(str(folder), str(tok_dir), kind, store.token_dtype(len(tokenizer)).name,
-                    tokenizer.eos_token_id, d.text_field)
+    vocab, eos = toks.backend(tok_dir).get_vocab_size(with_added_tokens=True), toks.special_id(tok_dir, "eos_token")
     total = pieces.plan_size(spec, key)
+    if 0 < total <= SMALL:  # nothing to gain from a faster encoder; skip its check
+        kind, why = "tokenizers", f"input under {SMALL >> 20} MB"
+    else:
+        kind, why = encoder.choose(tok_dir, sample_texts(cfg, 1 << 20))
+    job = EncodeJob(str(folder), str(tok_dir), kind, store.token_dtype(vocab).name, eos, d.text_field)
     size = prepare.piece_bytes(d.shard_mb, total)
     plan = pieces.plan(spec, d.format, text_fields(cfg), key, split, size)
     bar = prepare.progress_bar(progress, total, f"{key}")
@@ -145,14 +112,14 @@ def build_store(cfg: Config, folder: Path, spec: str, key: str, split: str, iden
     size = sum(r["bytes_in"] for r in records)
     summary = {"split": split, "source": spec or "builtin", "files": len(identity) if spec and not spec.startswith("hf:") else 1,
                "documents": sum(r["documents"] for r in records), "tokens": tokens, "shards": len(records),
-               "store_bytes": tokens * store.token_dtype(len(tokenizer)).itemsize, "input_bytes": size,
+               "store_bytes": tokens * store.token_dtype(vocab).itemsize, "input_bytes": size,
                "seconds": round(seconds, 3), "mb_per_s": round(size / 1e6 / max(seconds, 1e-9), 2),
                "tokens_per_s": round(tokens / max(seconds, 1e-9)), "encoder": kind, "encoder_check": why,
                "workers": workers, "folder": str(folder)}
     if tokens == 0:
         raise ConfigError(f"config key '{key}': '{spec or 'built-in corpus'}' contains no text")
     store.write_json(folder / store.INDEX, {
-        "version": VERSION, "dtype": job.dtype, "vocab_size": len(tokenizer), "eos_id": tokenizer.eos_token_id,
+        "version": VERSION, "dtype": job.dtype, "vocab_size": vocab, "eos_id": eos,
         "tokenizer": tok_dir.name, "sources": identity, "tokens": tokens, "documents": summary["documents"],
         "shards": records, "summary": summary, "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
     prepare.remove_unlisted(folder, records)
@@ -198,7 +165,7 @@ def open_lm_data(cfg: Config) -> LMData:
     """Open what `prepare_lm` made for `cfg` (never builds: a missing store is a clear error)."""
     d = cfg.data
     root = cache.cache_root(d.cache_dir)
-    tok_dir = root / f"tokenizer-{tokenizer_fingerprint(cfg)}"
+    tok_dir = tokenizer_folder(cfg)
     if not tok_dir.is_dir():
         raise FileNotFoundError(f"tokenizer '{tok_dir}' not prepared (run `phalanx prepare` with this config)")
     opened = {}

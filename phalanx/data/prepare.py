@@ -25,7 +25,7 @@ from typing import Callable
 import psutil
 
 from ..config import Config, ConfigError
-from . import pieces, store
+from . import cache, pieces, store, tokenizer as toks
 from .sources import files_of, format_of
 
 def source_identity(spec: str, fmt: str, key: str) -> list:
@@ -88,6 +88,63 @@ def _window(path: Path, kind: str, lo: int, hi: int, size: int, fields: pieces.F
     if kind == "jsonl":
         return pieces.jsonl_rows(buf[start:end], str(path), lo + start, fields)
     return [(pieces.decode(buf[start:end], str(path), lo + start),)]
+
+
+def tokenizer_fingerprint(cfg: Config, kind: str, fields: pieces.Fields) -> str:
+    d, spec = cfg.data, cfg.data.tokenizer or cfg.model.pretrained
+    if spec:
+        local = Path(spec)
+        files = sorted(f for f in local.iterdir() if f.is_file()) if local.is_dir() else []
+        return cache.fingerprint("pretrained-tokenizer", spec, *files)
+    return cache.fingerprint("trained-tokenizer-v2", kind, d.vocab_size, d.tokenizer_sample_mb, d.val_fraction,
+                             d.format, fields, json.dumps(source_identity(d.train, d.format, "data.train")))
+
+
+TRAINERS = {"bpe": toks.train_bpe, "wordpiece": toks.train_wordpiece}
+
+
+def prepare_tokenizer(cfg: Config, kind: str, fields: pieces.Fields, needs: str, say) -> Path:
+    """The tokenizer as a folder of the cache: a `kind` tokenizer ('bpe' or 'wordpiece') trained on a
+    sample of the training rows' text fields, or a copy of `data.tokenizer` / `model.pretrained`, which
+    must have the special token `needs` (e.g. 'eos_token')."""
+    d, spec = cfg.data, cfg.data.tokenizer or cfg.model.pretrained
+
+    def build(tmp: Path) -> None:
+        if spec:
+            tok = toks.load_pretrained(spec)
+            if not getattr(tok, "is_fast", False):
+                raise ConfigError(f"tokenizer '{spec}': needs a fast (Rust) tokenizer with a tokenizer.json")
+            tok.save_pretrained(tmp)
+        else:
+            t0 = time.perf_counter()
+            rows = sample_rows(cfg, fields, int(d.tokenizer_sample_mb * (1 << 20)))
+            texts = [row[i] for row in rows for i, (_, k) in enumerate(fields) if k == "text"]
+            toks.save_trained(TRAINERS[kind](texts, d.vocab_size), kind, tmp)
+            say(f"phalanx: trained a {d.vocab_size}-token {kind} tokenizer on {sum(map(len, texts)) / 1e6:.1f} MB "
+                f"of sampled text in {time.perf_counter() - t0:.1f} s")
+        if toks.special_id(tmp, needs) is None:
+            raise ConfigError(f"tokenizer '{spec}': has no {needs.replace('_', ' ')}")
+
+    root = cache.cache_root(d.cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    return cache.build_once(root / f"tokenizer-{tokenizer_fingerprint(cfg, kind, fields)}", build,
+                            is_builder=True, timeout_s=0)
+
+
+def ensure_ready(ready: Callable[[], bool], build: Callable[[], object], is_builder: bool,
+                 timeout_s: float) -> None:
+    """In a worker started by an outside torchrun/srun with nothing prepared: the node's first process
+    prepares, the others wait for the index file (not in a collective that could time out)."""
+    if ready():
+        return
+    if is_builder:
+        build()
+        return
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f}s for the node's first process to prepare the data")
+        time.sleep(0.1)
 
 
 def check_sample(cfg: Config, fields: pieces.Fields, head: int = 1 << 20, windows: int = 4,

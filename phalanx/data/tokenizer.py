@@ -1,21 +1,34 @@
-"""Tokenizers: trained on the training text with `tokenizers`, or loaded pretrained.
+"""Tokenizers: trained on a sample of the training data with `tokenizers`, or loaded pretrained.
 
-Both end up as a `transformers.PreTrainedTokenizerFast`, so the run's `final/` folder can be loaded
-with `AutoTokenizer.from_pretrained`.
+A tokenizer lives in a folder of the cache: `tokenizer.json` (the `tokenizers` backend) plus
+`phalanx-tokenizer.json` (its special tokens) for one trained here, or a `save_pretrained` copy of a
+pretrained one. Preparation reads only `tokenizer.json` (no `transformers` import in the launcher);
+workers load a `transformers.PreTrainedTokenizerFast`, so the run's `final/` folder loads with
+`AutoTokenizer.from_pretrained`.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterable
 
 EOS = "<|endoftext|>"
 WORDPIECE_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+SPECIALS_FILE = "phalanx-tokenizer.json"
+# transformers keyword arguments naming each trained kind's special tokens
+SPECIALS = {"bpe": {"eos_token": EOS, "bos_token": EOS, "unk_token": EOS},
+            "wordpiece": {"unk_token": "[UNK]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                          "sep_token": "[SEP]", "mask_token": "[MASK]"}}
+
+
+def hub_name(spec: str) -> str:
+    """'hf:NAME' -> 'NAME'; a local path stays as it is."""
+    return spec[3:] if spec.startswith("hf:") else spec
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int):
-    """Byte-level BPE (GPT-2 style) with one end-of-text token."""
+    """Byte-level BPE (GPT-2 style) with one end-of-text token; a `tokenizers.Tokenizer`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -23,13 +36,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS)
+    return tok
 
 
 def train_wordpiece(texts: Iterable[str], vocab_size: int):
-    """BERT-style WordPiece with [CLS] a [SEP] b [SEP] post-processing."""
+    """BERT-style WordPiece with [CLS] a [SEP] b [SEP] post-processing; a `tokenizers.Tokenizer`."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
@@ -42,18 +54,49 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int):
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
-                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    return tok
+
+
+def save_trained(tok, kind: str, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / SPECIALS_FILE).write_text(json.dumps(SPECIALS[kind]), encoding="utf-8")
 
 
 def load_pretrained(spec: str):
     from transformers import AutoTokenizer
 
-    name = spec[3:] if spec.startswith("hf:") else spec
-    return AutoTokenizer.from_pretrained(name)
+    return AutoTokenizer.from_pretrained(hub_name(spec))
 
 
 def load_saved(folder: str | Path):
+    """The cached tokenizer as a transformers tokenizer (workers, export)."""
     from transformers import PreTrainedTokenizerFast
 
+    folder = Path(folder)
+    if (folder / SPECIALS_FILE).is_file():
+        specials = json.loads((folder / SPECIALS_FILE).read_text(encoding="utf-8"))
+        return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **specials)
     return PreTrainedTokenizerFast.from_pretrained(str(folder))
+
+
+def backend(folder: str | Path):
+    """The `tokenizers` backend of a cached tokenizer (preparation: no transformers import)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+
+
+def special_id(folder: str | Path, name: str) -> int | None:
+    """Id of the special token `name` ('eos_token', 'pad_token', ...) of a cached tokenizer."""
+    folder = Path(folder)
+    specials = folder / SPECIALS_FILE
+    if specials.is_file():
+        token = json.loads(specials.read_text(encoding="utf-8")).get(name)
+    else:  # saved by transformers: older versions write special_tokens_map.json, newer tokenizer_config.json
+        token = None
+        for file in ("special_tokens_map.json", "tokenizer_config.json"):
+            if token is None and (folder / file).is_file():
+                token = json.loads((folder / file).read_text(encoding="utf-8")).get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+    return backend(folder).token_to_id(token) if token else None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -62,16 +61,8 @@ class ClassifyTask:
         """Open the prepared splits; started by an outside torchrun/srun, the node's first process
         prepares them and the others wait for the index file."""
         cfg = self.cfg
-        if not labelled_store.ready(cfg):
-            if self.info.is_local_main:
-                labelled_store.prepare_classify(cfg, progress=False, say=lambda text: print(text, flush=True))
-            else:
-                deadline = time.monotonic() + cfg.dist.startup_timeout_s
-                while not labelled_store.ready(cfg):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"waited {cfg.dist.startup_timeout_s:.0f}s for the node's first "
-                                           f"process to prepare the data")
-                    time.sleep(0.1)
+        prepare.ensure_ready(lambda: labelled_store.ready(cfg), lambda: labelled_store.prepare_classify(cfg, progress=False),
+                             self.info.is_local_main, cfg.dist.startup_timeout_s)
         data = labelled_store.open_classify(cfg)
         if cfg.model.pretrained:
             from transformers import AutoConfig

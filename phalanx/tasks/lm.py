@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Config, ConfigError
-from ..data import lm_store, store
+from ..data import lm_store, prepare, store, tokenizer as toks
 from ..model import build_causal_lm
 
 IGNORE = -100
@@ -82,18 +81,10 @@ class LMTask:
         """Open the prepared stores. Started by an outside torchrun/srun, the node's first process
         prepares them (the others wait for the index files, not in a collective that could time out)."""
         cfg = self.cfg
-        if not lm_store.lm_data_ready(cfg):
-            if self.info.is_local_main:
-                lm_store.prepare_lm(cfg, progress=False, say=lambda text: print(text, flush=True))
-            else:
-                deadline = time.monotonic() + cfg.dist.startup_timeout_s
-                while not lm_store.lm_data_ready(cfg):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"waited {cfg.dist.startup_timeout_s:.0f}s for the node's first "
-                                           f"process to prepare the data")
-                    time.sleep(0.1)
+        prepare.ensure_ready(lambda: lm_store.lm_data_ready(cfg), lambda: lm_store.prepare_lm(cfg, progress=False),
+                             self.info.is_local_main, cfg.dist.startup_timeout_s)
         data = lm_store.open_lm_data(cfg)
-        self.tokenizer = lm_store.load_tokenizer(data.tokenizer_dir)
+        self.tokenizer = toks.load_saved(data.tokenizer_dir)
         self.train_set, self.val_set = blocks(data, cfg.model.block_size)
         check_enough(cfg, data)
 

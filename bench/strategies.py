@@ -29,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from phalanx import host
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,10 +40,6 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_siz
         "train.micro_batch_size=4", "train.global_batch_size=16", "train.warmup_steps=2", "train.lr=3e-3",
         "train.max_steps=10", "train.eval_max_samples=9"]
 PEAK_TFLOPS = (("H100", 989, 67), ("H200", 989, 67), ("A100", 312, 19.5), ("L4", 121, 30.3))
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def phalanx_cmd(run: Path, cache: Path, nproc: int, steps: int, extra: list[str], config=CONFIG) -> list[str]:
@@ -145,7 +143,7 @@ def plan(only: set[str], device: str) -> list[tuple]:
         import torch
 
         n_gpu = torch.cuda.device_count()
-    one = cores() if device == "cpu" else None
+    one = host.cores() if device == "cpu" else None
     cases = []
     if "precision" in only:
         for name, extra in (("fp32", []), ("bf16", ["train.precision=bf16"]),
@@ -153,7 +151,7 @@ def plan(only: set[str], device: str) -> list[tuple]:
                             ("bf16+compile", ["train.precision=bf16", "train.compile=true"])):
             cases.append(("precision", f"{name} x1", 1, extra, 1, one))
     two = device == "cpu" or n_gpu >= 2
-    threads = max(1, cores() // 2) if device == "cpu" else None
+    threads = max(1, host.cores() // 2) if device == "cpu" else None
     if "strategy" in only and two:
         cases += [("strategy", "ddp x2", 2, ["train.strategy=ddp"], 1, threads),
                   ("strategy", "fsdp x2", 2, ["train.strategy=fsdp"], 1, threads)]
@@ -285,7 +283,7 @@ def main() -> int:
         return check_contexts(work, cache)
     extra_dev = ["dist.backend=gloo"] if args.device == "cpu" else []
     cases = plan(set(args.only.split(",")), args.device)
-    print(f"phalanx strategies benchmark: {args.device}, {cores()} cores, {args.steps} steps "
+    print(f"phalanx strategies benchmark: {args.device}, {host.cores()} cores, {args.steps} steps "
           f"(tokens/s after step {args.warmup}), {args.repeats} repeat(s); work folder {work}", flush=True)
     results = []
     for _ in range(args.repeats):

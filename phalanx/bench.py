@@ -21,6 +21,8 @@ from pathlib import Path
 
 from .config import ConfigError, check_world, load_config
 from .sinks import read_metrics
+from . import host
+from .runfolder import RunFolder
 
 COLUMNS = ("processes", "threads/process", "global batch", "tokens/s", "speedup", "efficiency",
            "uncontended tokens/s (steps)",
@@ -38,10 +40,6 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per world size")
 
 
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def plan(cfg, sizes: list[int], mode: str) -> list[dict]:
     """World size, threads per process and global batch of each run (checked before anything starts)."""
     base = cfg.train.global_batch_size
@@ -52,7 +50,7 @@ def plan(cfg, sizes: list[int], mode: str) -> list[dict]:
         trial = copy.deepcopy(cfg)
         trial.train.global_batch_size = base * n // sizes[0] if mode == "weak" else base
         check_world(trial, n)
-        runs.append({"processes": n, "threads": max(1, cores() // n),
+        runs.append({"processes": n, "threads": max(1, host.cores() // n),
                      "global_batch": trial.train.global_batch_size})
     return runs
 
@@ -72,7 +70,7 @@ def _tokens_per_s(rows: list[dict]) -> float | None:
 
 def measure(run_dir: Path, warmup: int, threads: int) -> dict:
     """Figures of one run from its metrics.jsonl, leaving out the first `warmup` steps."""
-    rows = [r for r in read_metrics(run_dir / "metrics.jsonl")
+    rows = [r for r in read_metrics(RunFolder(run_dir).metrics)
             if "loss" in r and "event" not in r and r.get("step", 0) > warmup]
     if not rows:
         raise RuntimeError(f"{run_dir}: no training steps after the warm-up")
@@ -115,7 +113,7 @@ def table(results: list[dict]) -> list[str]:
 
 
 def plot(results: list[dict], path: Path, mode: str) -> Path:
-    import matplotlib
+    import matplotlib  # lazy: plotting only, at the end
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -178,7 +176,7 @@ def run(args) -> int:
 def _write(results: list[dict], out: Path, args, failed: list[int]) -> int:
     lines = table(results)
     notes = [f"{args.mode} scaling, {args.steps} steps per world size, first {args.warmup} left out; "
-             f"{cores()} cores, threads/process = cores / processes (never oversubscribed).",
+             f"{host.cores()} cores, threads/process = cores / processes (never oversubscribed).",
              "comm wait share: (step-start sync + gradient all-reduce not hidden by backward) / step time; "
              "all-reduce share: time a DDP gradient all-reduce was in flight / step time (overlaps backward).",
              "uncontended: only the steps in which every rank got >= 90% of its threads' CPU time.",
@@ -195,7 +193,7 @@ def _write(results: list[dict], out: Path, args, failed: list[int]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.md").write_text(text, encoding="utf-8")
     (out / "bench.json").write_text(json.dumps({"mode": args.mode, "steps": args.steps, "warmup": args.warmup,
-                                                "cores": cores(), "results": results}, indent=2), encoding="utf-8")
+                                                "cores": host.cores(), "results": results}, indent=2), encoding="utf-8")
     plot(results, out / "scaling.png", args.mode)
     print(text + f"\nwrote {out / 'bench.md'}, {out / 'bench.json'}, {out / 'scaling.png'}", flush=True)
     return 1 if failed else 0

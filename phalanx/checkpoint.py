@@ -21,9 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from . import dist
+from .runfolder import RunFolder, write_json
 
 LATEST = "latest"
 META = "meta.json"
@@ -45,18 +47,24 @@ _TORCH_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        if module.startswith(_ALLOWED_MODULE_PREFIXES) or (module, name) in _ALLOWED_GLOBALS:
+        refused = CheckpointError(f"refusing to load: the checkpoint's metadata references {module}.{name}, "
+                                  f"which is not checkpoint metadata")
+        if "." in name:  # pickle protocol 4 follows a dotted name attribute by attribute: out of any module
+            raise refused
+        if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
+        if module in _ALLOWED_MODULE_PREFIXES or module.startswith(tuple(p + "." for p in _ALLOWED_MODULE_PREFIXES)):
+            found = super().find_class(module, name)
+            if isinstance(found, type):  # metadata classes only, not functions or modules imported there
+                return found
+            raise refused
         if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_ENUMS):
             return getattr(torch, name)  # dtypes/layouts pickle as module attributes
-        raise CheckpointError(f"refusing to load: the checkpoint's metadata references {module}.{name}, "
-                              f"which is not checkpoint metadata")
+        raise refused
 
 
 def check_safe(path: Path) -> None:
     """Refuse a checkpoint folder whose DCP metadata could run code or would unpickle objects."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
     md_file = path / ".metadata"
     if not md_file.is_file():
         raise CheckpointError(f"checkpoint '{path}': no DCP .metadata file")
@@ -103,22 +111,14 @@ def _split_optim(osd: dict) -> tuple[dict, list]:
     return osd.get("state", {}), groups
 
 
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class Checkpointer:
     def __init__(self, run_dir: str | Path, info: dist.DistInfo, keep: int = 2):
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = RunFolder(run_dir).checkpoints
         self.info, self.keep = info, keep
 
-    def save(self, step: int, model, optimizer, meta: dict, fault_hook=None) -> tuple[Path, float]:
-        """Collective: every rank calls it. Returns the final path and the seconds it took."""
+    def save(self, step: int, model, optimizer, meta: dict, after_write=None) -> tuple[Path, float]:
+        """Collective: every rank calls it. Returns the final path and the seconds it took.
+        `after_write()` runs once this rank's shards are in the temporary folder (the loop's probe)."""
         t0 = time.perf_counter()
         name = f"step_{step:06d}"
         tmp, final = self.root / f".tmp-{name}", self.root / name
@@ -129,17 +129,17 @@ class Checkpointer:
         msd, osd = get_state_dict(model, optimizer)
         optim_tensors, groups = _split_optim(osd)
         dcp.save({"model": msd, "optim": optim_tensors}, checkpoint_id=str(tmp))
-        _write_json(tmp / "rank_state" / f"rank{self.info.rank}.json", {"rng": rng_state()})
-        if fault_hook:
-            fault_hook()  # test-only: die while the temporary folder is being written
+        write_json(tmp / "rank_state" / f"rank{self.info.rank}.json", {"rng": rng_state()}, fsync=True)
+        if after_write:
+            after_write()
         dist.barrier(self.info)
         if self.info.is_main:
-            _write_json(tmp / META, {**meta, "step": step, "world_size": self.info.world_size,
-                                     "param_groups": groups, "saved_at": time.time()})
+            write_json(tmp / META, {**meta, "step": step, "world_size": self.info.world_size,
+                                     "param_groups": groups, "saved_at": time.time()}, fsync=True)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _write_json(self.root / LATEST, {"name": name})
+            write_json(self.root / LATEST, {"name": name}, fsync=True)
             self._prune()
         dist.barrier(self.info)
         return final, time.perf_counter() - t0
@@ -178,7 +178,9 @@ class Checkpointer:
 
 
 def complete_in(root: Path) -> list[Path]:
-    return sorted(p for p in Path(root).glob("step_*") if (p / META).is_file())
+    """Complete checkpoints, oldest first (by step number: names stop sorting as text past 999,999)."""
+    found = [p for p in Path(root).glob("step_*") if (p / META).is_file() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
 
 
 def latest_in(root: Path) -> Path | None:

@@ -7,13 +7,15 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError
+from .runfolder import EXIT_BAD_INPUT
 
 # Subcommands implemented in their own modules: each has add_arguments(parser) and run(args) -> int.
 # Only the chosen one is imported, so e.g. `phalanx report` never pays for (or needs) torch.
 EXTRA_COMMANDS = {"report": ("phalanx.report", "plots and a Markdown summary of one or more runs"),
                   "bench": ("phalanx.bench", "scaling study: the same config at several world sizes"),
                   "doctor": ("phalanx.doctor", "pre-flight checks of the distributed set-up"),
-                  "predict": ("phalanx.tasks.classify", "predict labels with a trained classifier (RUN/final)")}
+                  "predict": ("phalanx.predict", "predict labels with a trained classifier (RUN/final)"),
+                  "generate": ("phalanx.generate", "sample text from a trained language model (RUN/final)")}
 
 
 def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
@@ -67,17 +69,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from .config import load_config
-    from .launch import prepare_data
-    from .tasks import get_task
+    from .config import load_config  # lazy, like every command's modules: only the chosen one loads
+    from .tasks import prepare_data
 
     if args.workers < 0:
         raise ConfigError(f"--workers: expected >= 0, got {args.workers}")
     config, overrides = _split_config_and_overrides(args.items)
     cfg = load_config(config, overrides)
-    task_cls = get_task(cfg.task)
-    if hasattr(task_cls, "preflight"):
-        task_cls.preflight(cfg)
     summaries = prepare_data(cfg, args.workers, progress=not args.quiet)
     for split, s in summaries.items():
         how = "already prepared" if s.get("reused") else f"prepared in {s['seconds']:.1f} s ({s['mb_per_s']:.1f} MB/s)"
@@ -99,15 +97,6 @@ def cmd_config(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
-    from .tasks.lm import generate
-
-    if not (Path(args.run) / "final").is_dir():
-        raise ConfigError(f"run '{args.run}': no final/ model (has the run finished?)")
-    print(generate(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
-    return 0
-
-
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phalanx", description="Distributed data-parallel NLP training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,14 +114,6 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--show", action="store_true", help="list every config key with type, default and doc")
     p.add_argument("--markdown", action="store_true", help="with --show: as a Markdown table (as in the README)")
     p.set_defaults(func=cmd_config)
-    p = sub.add_parser("generate", help="sample text from a trained language model (RUN/final)")
-    p.add_argument("run", help="run folder")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_generate)
     for name, (module, help_text) in EXTRA_COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         if name == selected:
@@ -156,6 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as e:
         print(f"phalanx: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130

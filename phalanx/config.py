@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -16,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .errors import ConfigError  # noqa: F401  (re-exported: `from phalanx.config import ConfigError`)
+from .faults import parse_fault
+from .runfolder import write_text
 
 
 class _Loader(yaml.SafeLoader):
@@ -34,10 +39,6 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float",
 
 def _yaml(text: str):
     return yaml.load(text, Loader=_Loader)
-
-
-class ConfigError(ValueError):
-    """Bad user input: the CLI prints it on one line and exits with code 2."""
 
 
 def _f(default, help: str, *, min=None, max=None, choices=None, path=False, factory=None):
@@ -323,6 +324,11 @@ def _walk(cfg, prefix=""):
             yield prefix + f.name, f, value
 
 
+def hub_name(spec: str) -> str:
+    """'hf:NAME' (a Hugging Face hub name) -> 'NAME'; a local path stays as it is."""
+    return spec[3:] if spec.startswith("hf:") else spec
+
+
 def _check_path(key: str, value: str) -> None:
     if not value or value.startswith("hf:"):
         return
@@ -348,21 +354,13 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"config key 'train.global_batch_size': {t.global_batch_size} is not a multiple "
                           f"of train.micro_batch_size={t.micro_batch_size}")
-    if cfg.task == "lm" and m.arch not in ("gpt2", "llama"):
-        raise ConfigError(f"config key 'model.arch': task 'lm' needs gpt2 or llama, got {m.arch!r}")
-    if cfg.task == "classify" and m.arch not in ("bert", "roberta", "distilbert"):
-        raise ConfigError(f"config key 'model.arch': task 'classify' needs bert, roberta or distilbert, "
-                          f"got {m.arch!r}")
     if cfg.debug.fault:
-        from .faults import parse_fault  # local: faults is a leaf module, only needed for validation
         parse_fault(cfg.debug.fault)
     _check_extras(cfg.log)
 
 
 def _check_extras(log: LogConfig) -> None:
     """An optional sink whose package is missing fails here, before any worker starts."""
-    import importlib.util
-
     for key, enabled, module in (("log.tensorboard", log.tensorboard, "tensorboard"),
                                  ("log.wandb_project", log.wandb_project, "wandb"),
                                  ("log.mlflow_experiment", log.mlflow_experiment, "mlflow")):
@@ -382,11 +380,8 @@ def check_world(cfg: Config, world_size: int) -> int:
 
 
 def save_yaml(cfg: Config, path: str | os.PathLike) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
-    os.replace(tmp, p)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_text(Path(path), yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def relevant_subset(cfg: Config) -> dict:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
+from . import host
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -59,6 +61,10 @@ def slurm_env() -> dict[str, str]:
             "MASTER_ADDR": master, "MASTER_PORT": port}
 
 
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def pick_backend(requested: str) -> str:
     if requested != "auto":
         return requested
@@ -75,7 +81,7 @@ def check_backend(backend: str) -> str | None:
 
 
 def default_threads(local_world_size: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = host.cores()
     return max(1, cores // max(1, local_world_size))
 
 

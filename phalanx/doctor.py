@@ -9,12 +9,24 @@ line is a problem, so it can gate a job script.
 """
 from __future__ import annotations
 
+import datetime
+import multiprocessing as mp
 import os
 import shutil
 import socket
 import sys
 import time
 from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as tdist
+
+from . import host
+from .config import ConfigError, check_world, hub_name, load_config
+from .dist import free_port, pick_backend
+from .launch import parse_nnodes
+from .tasks import get_task
 
 GB = 2 ** 30
 # Measured here: a worker process of a tiny model holds ~370 MB resident (torch, transformers, Gloo).
@@ -46,8 +58,6 @@ class Report:
 
 # ---- environment --------------------------------------------------------------------------------
 def check_torch(rep: Report, backend: str, nproc: int) -> None:
-    import torch
-    import torch.distributed as tdist
 
     rep.add("ok", "torch", f"{torch.__version__} (python {sys.version.split()[0]})")
     available = {"gloo": tdist.is_gloo_available(),
@@ -67,10 +77,8 @@ def check_torch(rep: Report, backend: str, nproc: int) -> None:
 
 def check_devices(rep: Report, nproc: int) -> dict:
     """Report devices and return memory available per local process (bytes) by kind."""
-    import psutil
-    import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = host.cores()
     vm = psutil.virtual_memory()
     rep.add("ok" if nproc <= cores else "warning", "cpu",
             f"{cores} cores for {nproc} process(es): {max(1, cores // nproc)} thread(s) each"
@@ -88,7 +96,6 @@ def check_devices(rep: Report, nproc: int) -> dict:
 
 
 def check_port(rep: Report, endpoint: str) -> None:
-    from .dist import free_port
 
     if not endpoint:
         rep.add("ok", "rendezvous port", f"free port {free_port()} on 127.0.0.1 (standalone rendezvous)")
@@ -111,7 +118,6 @@ def check_port(rep: Report, endpoint: str) -> None:
 
 
 def _local_addresses() -> set[str]:
-    import psutil
 
     return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
 
@@ -119,10 +125,7 @@ def _local_addresses() -> set[str]:
 # ---- all-reduce across real local processes -----------------------------------------------------
 def _allreduce_worker(rank: int, world: int, port: int, backend: str, size_mb: int, queue) -> None:
     """One process of the check: exact sum of known values, then timed all-reduces of `size_mb` MB."""
-    import datetime
 
-    import torch
-    import torch.distributed as tdist
 
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -157,9 +160,7 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, size_mb: i
 
 
 def check_allreduce(rep: Report, nproc: int, backend: str, timeout: float, size_mb: int = 32) -> None:
-    import multiprocessing as mp
 
-    from .dist import free_port
 
     if nproc < 2:
         rep.add("ok", "all-reduce", "1 process per node: nothing to reduce across (use --nproc-per-node N)")
@@ -223,22 +224,14 @@ def check_run_dir(rep: Report, run_dir: Path, needed_bytes: float = 0.0) -> None
 # ---- memory estimate from a config ------------------------------------------------------------
 def model_on_meta(cfg):
     """The config's model with shapes but no storage (nothing is allocated or downloaded)."""
-    import torch
+    import transformers  # only here: a second of start-up that the other checks do not need
 
-    from .model import build_causal_lm, build_classifier
-
-    m = cfg.model
+    task = get_task(cfg.task)
     with torch.device("meta"):
-        if m.pretrained:
-            from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-            name = m.pretrained[3:] if m.pretrained.startswith("hf:") else m.pretrained
-            auto = AutoModelForCausalLM if cfg.task == "lm" else AutoModelForSequenceClassification
-            return auto.from_config(AutoConfig.from_pretrained(name, local_files_only=True))
-        if cfg.task == "lm":
-            return build_causal_lm(m, cfg.data.vocab_size, 0)
-        labels = cfg.data.labels or ["0", "1"]
-        return build_classifier(m, cfg.data.vocab_size, 0, cfg.data.max_length, dict(enumerate(labels)))
+        if cfg.model.pretrained:
+            config = transformers.AutoConfig.from_pretrained(hub_name(cfg.model.pretrained), local_files_only=True)
+            return getattr(transformers, task.AUTO_MODEL).from_config(config)
+        return task.model_for(cfg, cfg.data.vocab_size, 0)
 
 
 def estimate_memory(cfg, world: int) -> dict:
@@ -249,7 +242,7 @@ def estimate_memory(cfg, world: int) -> dict:
     n = sum(p.numel() for p in model.parameters())
     mc = model.config
     layers, h, heads = mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads
-    s = cfg.model.block_size if cfg.task == "lm" else cfg.data.max_length
+    s = get_task(cfg.task).sequence_length(cfg)
     b = cfg.train.micro_batch_size
     shard = world if cfg.train.strategy == "fsdp" else 1
     act_scale = 1.0 if cfg.train.precision in ("bf16", "fp16") else 2.0
@@ -263,7 +256,6 @@ def estimate_memory(cfg, world: int) -> dict:
 
 def check_memory(rep: Report, cfg, world: int, nproc: int, backend: str, avail: dict) -> float:
     """Batch plan and memory per rank vs available; returns the disk bytes checkpoints will need."""
-    from .config import ConfigError, check_world
 
     try:
         accum = check_world(cfg, world)
@@ -290,13 +282,10 @@ def check_memory(rep: Report, cfg, world: int, nproc: int, backend: str, avail: 
 
 # ---- command ----------------------------------------------------------------------------------
 def run(args) -> int:
-    from .config import load_config
-    from .dist import pick_backend
-    from .launch import _parse_nnodes
 
     config = next((i for i in args.items if "=" not in i), None)
     cfg = load_config(config, [i for i in args.items if i != config]) if args.items else None
-    _, nodes = _parse_nnodes(args.nnodes)
+    _, nodes = parse_nnodes(args.nnodes)
     nproc, world = args.nproc_per_node, nodes * args.nproc_per_node
     backend = pick_backend(cfg.dist.backend if cfg else "auto")
     rep = Report()

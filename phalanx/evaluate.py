@@ -12,7 +12,11 @@ import math
 import torch
 
 from . import dist
-from .data.samplers import eval_shard
+
+
+def eval_shard(n: int, rank: int, world_size: int) -> range:
+    """Contiguous, uneven-but-exact shard of n evaluation samples: every sample on exactly one rank."""
+    return range(rank * n // world_size, (rank + 1) * n // world_size)
 
 
 @torch.no_grad()
@@ -30,7 +34,7 @@ def evaluate(task, model, dataset, info: dist.DistInfo, micro_batch_size: int, m
         ids = list(shard[b * micro_batch_size:(b + 1) * micro_batch_size])
         real = bool(ids)
         batch = task.collate(dataset, ids if real else [0])
-        batch = {k: v.to(info.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = dist.to_device(batch, info.device)
         with autocast() if autocast else torch.autocast(info.device.type, enabled=False):
             sums = task.eval_sums(model, batch)
         totals = totals or [0.0] * len(sums)

@@ -7,23 +7,30 @@ given for multi-node. Each elastic attempt gets a fresh rendezvous store
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import psutil
+import torch.distributed.run as trun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from . import dist, precision
+from .checkpoint import CheckpointError, check_safe, latest_in, read_meta
 from .config import Config, ConfigError, check_world, load_config, relevant_subset, save_yaml
 from .oomwatch import MemoryWatch
+from .runfolder import EXIT_FAILED, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED, RunFolder, read_json
+from .tasks import get_task, prepare_data
+from .train import train
+from .watchdog import summarize
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HANG, EXIT_PREEMPTED = 0, 1, 2, 3, 75
 
-
-def _parse_nnodes(nnodes: str) -> tuple[int, int]:
+def parse_nnodes(nnodes: str) -> tuple[int, int]:
     lo, _, hi = str(nnodes).partition(":")
     try:
         lo_i, hi_i = int(lo), int(hi or lo)
@@ -35,11 +42,9 @@ def _parse_nnodes(nnodes: str) -> tuple[int, int]:
 
 
 def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool = False) -> None:
-    """Checks that need no worker: world shape, backend, data readable, resume compatibility."""
-    from . import dist
-    from .checkpoint import CheckpointError, check_safe, latest_in, read_meta
-
-    lo, hi = _parse_nnodes(nnodes)
+    """Checks that need no worker: world shape, backend, task settings, resume compatibility (the data
+    is checked by the data step that follows: tasks.prepare_data)."""
+    lo, hi = parse_nnodes(nnodes)
     if nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node: expected >= 1, got {nproc_per_node}")
     for n in range(lo, hi + 1):  # elastic membership may settle on any node count in the range
@@ -48,14 +53,11 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
     if problem:
         raise ConfigError(problem)
     check_hardware(cfg)
-    from .tasks import get_task
-    task_cls = get_task(cfg.task)
-    if hasattr(task_cls, "preflight"):
-        task_cls.preflight(cfg)
+    get_task(cfg.task).check_config(cfg)
     if cfg.resume not in ("auto", "never"):
         path = Path(cfg.resume)
     else:
-        path = latest_in(Path(cfg.run_dir) / "checkpoints") if cfg.resume == "auto" else None
+        path = latest_in(RunFolder(cfg.run_dir).checkpoints) if cfg.resume == "auto" else None
     try:
         meta = read_meta(path) if path else None
         if path:
@@ -71,25 +73,9 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
                               f"{', '.join(changed)}; use --fresh to start over or --force-resume")
 
 
-def prepare_data(cfg: Config, workers: int = 0, progress: bool | None = None) -> dict:
-    """The data step, here in the launcher before any worker starts: a long preparation never races a
-    worker's start-up timeout, and a data error found during it is still exit 2 with nothing started."""
-    from .tasks import get_task
-
-    task_cls = get_task(cfg.task)
-    if not hasattr(task_cls, "prepare_data"):
-        return {}
-    if progress is None:
-        # the bar follows log.progress (auto = only on an interactive terminal)
-        progress = cfg.log.progress == "bar" or (cfg.log.progress == "auto" and sys.stderr.isatty())
-    return task_cls.prepare_data(cfg, workers or cfg.data.prepare_workers, progress)
-
-
 def check_hardware(cfg: Config) -> None:
     """train.precision and train.compile against the device the workers will use (errors only; each
     worker prints the warnings, e.g. emulated fp16 on CPU, with the precision it picked)."""
-    from . import dist, precision
-
     device_type = "cuda" if dist.pick_backend(cfg.dist.backend) == "nccl" else "cpu"
     precision.check_precision(cfg.train.precision, device_type)
     if cfg.train.compile:
@@ -98,7 +84,7 @@ def check_hardware(cfg: Config) -> None:
 
 def check_multinode(nnodes: str, rdzv_endpoint: str, fresh: bool) -> None:
     """Flags that only make sense together when one launcher runs per node."""
-    if _parse_nnodes(nnodes)[1] > 1 and not rdzv_endpoint:
+    if parse_nnodes(nnodes)[1] > 1 and not rdzv_endpoint:
         raise ConfigError(f"--nnodes {nnodes}: more than one node needs --rdzv-endpoint HOST:PORT (the same "
                           f"on every node, e.g. the first node's address) and --rdzv-id")
     if rdzv_endpoint and fresh:
@@ -115,7 +101,7 @@ def move_aside(run_dir: Path) -> Path | None:
     return target
 
 
-def torchrun_args(config_path: Path, nproc_per_node: int, nnodes: str, rdzv_endpoint: str, rdzv_id: str,
+def torchrun_args(module_argv: list[str], nproc_per_node: int, nnodes: str, rdzv_endpoint: str, rdzv_id: str,
                   max_restarts: int, log_dir: Path | None = None) -> list[str]:
     args = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
             "--max-restarts", str(max_restarts), "--monitor-interval", "0.2"]
@@ -125,7 +111,7 @@ def torchrun_args(config_path: Path, nproc_per_node: int, nnodes: str, rdzv_endp
         args += ["--standalone"]
     if log_dir is not None:
         args += ["--log-dir", str(log_dir)]
-    return args + ["--module", "phalanx.worker", str(config_path)]
+    return args + ["--module", *module_argv]
 
 
 def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdzv_endpoint: str = "",
@@ -143,20 +129,27 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     preflight(cfg, nproc_per_node, nnodes, force_resume)
     prepare_data(cfg)
     if not cfg.dist.threads_per_worker:
-        from .dist import default_threads
-        cfg.dist.threads_per_worker = default_threads(nproc_per_node)
+        cfg.dist.threads_per_worker = dist.default_threads(nproc_per_node)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = worker_config(cfg, run_dir, multinode=bool(rdzv_endpoint))
-    for marker in ("PREEMPTED", "error.json"):
-        (run_dir / marker).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / "hang", ignore_errors=True)
+    RunFolder(run_dir).clear_outcome()
 
+    try:
+        failure = run_workers(["phalanx.worker", str(config_path)], nproc_per_node, cfg.dist.threads_per_worker,
+                              nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts)
+    finally:
+        if config_path.parent != run_dir:
+            config_path.unlink(missing_ok=True)
+    return outcome(run_dir, failure)
+
+
+def run_workers(module_argv: list[str], nproc_per_node: int, threads: int, *, nnodes: str = "1",
+                rdzv_endpoint: str = "", rdzv_id: str = "", max_restarts: int = 0):
+    """Start `python -m MODULE ARGS` as workers under PyTorch's elastic agent; the failure, or None.
+    Every phalanx command that starts workers (train, predict) comes through here."""
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # fresh store per elastic attempt
-    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.dist.threads_per_worker))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    import torch.distributed.run as trun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     # Slurm's pre-timeout signal: the elastic agent does not handle SIGUSR1, so hand it to the workers,
     # which save and stop exactly as on SIGTERM.
@@ -165,21 +158,16 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     failures = FailureReporter(max_restarts, single_node=not rdzv_endpoint, memory=memory)
     logging.getLogger(FailureReporter.LOGGER).addHandler(failures)
     args = trun.get_args_parser().parse_args(
-        torchrun_args(config_path, nproc_per_node, nnodes, rdzv_endpoint, rdzv_id, max_restarts))
-    failure = None
+        torchrun_args(module_argv, nproc_per_node, nnodes, rdzv_endpoint, rdzv_id, max_restarts))
     try:
         memory.start()
         trun.run(args)
-    except ChildFailedError as e:
-        failure = e
-    except SignalException as e:
-        failure = e
+    except (ChildFailedError, SignalException) as e:
+        return e
     finally:
         memory.stop()
         logging.getLogger(FailureReporter.LOGGER).removeHandler(failures)
-        if config_path.parent != run_dir:
-            config_path.unlink(missing_ok=True)
-    return outcome(run_dir, failure)
+    return None
 
 
 class FailureReporter(logging.Handler):
@@ -228,13 +216,26 @@ def failure_line(code, local_rank, pid, single_node: bool, memory: MemoryWatch |
     return f"{who} (pid {pid}) {why}"
 
 
+def failure_line_of(failure) -> str:
+    """One line for a failed worker group: which rank failed first and why (never torch's banner)."""
+    failures = getattr(failure, "failures", None)  # ChildFailedError: {global rank: ProcessFailure}
+    if failures:
+        rank, first = min(failures.items(), key=lambda item: item[1].timestamp)
+        return failure_line(first.exitcode, rank, first.pid, single_node=True)
+    sigval = getattr(failure, "sigval", None)  # SignalException: the launcher itself got a signal
+    if sigval is not None:
+        return f"the launcher received {signal.Signals(sigval).name}"
+    text = str(failure).strip()
+    return text.splitlines()[0] if text else repr(failure)
+
+
 def worker_config(cfg: Config, run_dir: Path, multinode: bool) -> Path:
     """The config file this launcher's workers read. One node: RUN/config.yaml. Several nodes: a file
     private to this launcher, because launchers sharing the run folder must not overwrite each other's
     (a node's threads_per_worker follows its own core count); global rank 0 writes RUN/config.yaml."""
     if not multinode:
-        save_yaml(cfg, run_dir / "config.yaml")
-        return run_dir / "config.yaml"
+        save_yaml(cfg, RunFolder(run_dir).config)
+        return RunFolder(run_dir).config
     fd, name = tempfile.mkstemp(prefix="phalanx-config-", suffix=".yaml")
     os.close(fd)
     save_yaml(cfg, name)
@@ -242,7 +243,6 @@ def worker_config(cfg: Config, run_dir: Path, multinode: bool) -> Path:
 
 
 def _forward_to_workers(signum, frame) -> None:
-    import psutil
 
     for child in psutil.Process().children(recursive=True):
         try:
@@ -253,24 +253,24 @@ def _forward_to_workers(signum, frame) -> None:
 
 def outcome(run_dir: Path, failure) -> int:
     """Turn markers left by the workers into a one-line message and an exit code."""
-    from .watchdog import summarize
 
-    preempted = run_dir / "PREEMPTED"
-    if preempted.exists():
-        step = json.loads(preempted.read_text())["step"]
-        print(f"phalanx: preempted at step {step}; run the same command to resume", file=sys.stderr, flush=True)
+    folder = RunFolder(run_dir)
+    preempted = read_json(folder.preempted)
+    if preempted:
+        print(f"phalanx: preempted at step {preempted['step']}; run the same command to resume", file=sys.stderr,
+              flush=True)
         return EXIT_PREEMPTED
-    hang = summarize(run_dir / "hang")
+    hang = summarize(folder.hang)
     if hang:
-        (run_dir / "hang" / "summary.txt").write_text(hang + "\n")
+        folder.hang_summary.write_text(hang + "\n")
         print(f"phalanx: {hang}", file=sys.stderr, flush=True)
         return EXIT_HANG
-    error = run_dir / "error.json"
-    if error.exists():
-        print(f"phalanx: stopped: {json.loads(error.read_text())['error']}", file=sys.stderr, flush=True)
+    error = read_json(folder.error)
+    if error:
+        print(f"phalanx: stopped: {error['error']}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     if failure is not None:
-        print(f"phalanx: training failed: {str(failure).strip().splitlines()[0] if str(failure) else failure!r}",
+        print(f"phalanx: training failed: {failure_line_of(failure)}",
               file=sys.stderr, flush=True)
         return EXIT_FAILED
     return EXIT_OK
@@ -278,8 +278,7 @@ def outcome(run_dir: Path, failure) -> int:
 
 def run_as_worker(cfg: Config) -> int:
     """Already inside torchrun/srun: be that worker instead of launching again."""
-    from .train import train
-
+    get_task(cfg.task).check_config(cfg)
     check_world(cfg, int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))))
     check_hardware(cfg)
     summary = train(cfg)

@@ -1,20 +1,44 @@
-"""Build Hugging Face models from the config (random init) or a pretrained folder, and wrap them."""
+"""Build Hugging Face models from the config (random init) or a pretrained folder, and wrap them.
+
+transformers is imported inside the builders: it costs ~2 s, and the launcher (which imports the tasks)
+never builds a model.
+"""
 from __future__ import annotations
 
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, hub_name
 
 
-def _hub_name(spec: str) -> str:
-    return spec[3:] if spec.startswith("hf:") else spec
+def quiet_transformers() -> None:
+    """transformers' warnings and progress bars would interleave with phalanx's own output."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_causal_lm(folder):
+    """A finished run's RUN/final language model (eval mode) and tokenizer, with plain transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+
+
+def load_classifier(folder):
+    """A finished run's RUN/final classifier (eval mode) and tokenizer, with plain transformers."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    quiet_transformers()
+    return AutoModelForSequenceClassification.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
 
 
 def build_causal_lm(m: ModelConfig, vocab_size: int, eos_id: int) -> nn.Module:
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     if m.pretrained:
-        return AutoModelForCausalLM.from_pretrained(_hub_name(m.pretrained))
+        return AutoModelForCausalLM.from_pretrained(hub_name(m.pretrained))
     if m.arch == "gpt2":
         cfg = GPT2Config(vocab_size=vocab_size, n_positions=m.block_size, n_embd=m.n_embd, n_layer=m.n_layer,
                          n_head=m.n_head, resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
@@ -36,7 +60,7 @@ def build_classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: i
     label2id = {v: k for k, v in id2label.items()}
     if m.pretrained:
         return AutoModelForSequenceClassification.from_pretrained(
-            _hub_name(m.pretrained), num_labels=len(id2label), id2label=id2label, label2id=label2id,
+            hub_name(m.pretrained), num_labels=len(id2label), id2label=id2label, label2id=label2id,
             ignore_mismatched_sizes=True)
     common = dict(vocab_size=vocab_size, pad_token_id=pad_id, num_labels=len(id2label), id2label=id2label,
                   label2id=label2id)

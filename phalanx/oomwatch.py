@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import psutil
+
 OOM_KEY = "oom_kill"
 GB = 2 ** 30  # as doctor.py: binary gigabytes, printed as "GB"
 
@@ -127,8 +129,6 @@ class MemoryWatch:
 
     def sample(self) -> None:
         """One reading of the process tree's resident memory (shared pages count in each process)."""
-        import psutil
-
         try:
             children = psutil.Process(self.pid).children(recursive=True)
         except psutil.Error:

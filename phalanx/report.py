@@ -14,6 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
+from .config import ConfigError, config_hash, load_config
+from .runfolder import RunFolder
 from .sinks import read_metrics
 from .stragglers import detect
 
@@ -43,11 +47,11 @@ def load_run(path: str | Path) -> Run:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"run folder '{path}' not found")
-    metrics_file = path / "metrics.jsonl"
+    metrics_file = RunFolder(path).metrics
     records = read_metrics(metrics_file)
     lines = metrics_file.read_text(encoding="utf-8", errors="replace").splitlines() if metrics_file.exists() else []
-    summary = _read_json(path / "summary.json")
-    config = _read_yaml(path / "config.yaml")
+    summary = _read_json(RunFolder(path).summary)
+    config = _read_yaml(RunFolder(path).config)
     run = Run(path, records, summary, config, _status(path, records, summary),
               skipped_lines=sum(1 for line in lines if line.strip()) - len(records))
     run.train = [r for r in records if "loss" in r and "event" not in r and "step" in r]
@@ -63,8 +67,6 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _read_yaml(path: Path) -> dict | None:
-    import yaml
-
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
@@ -74,17 +76,18 @@ def _read_yaml(path: Path) -> dict | None:
 
 def _status(path: Path, records: list[dict], summary: dict | None) -> str:
     last_step = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
-    if (path / "PREEMPTED").exists():
+    folder = RunFolder(path)
+    if folder.preempted.exists():
         return "preempted (resumable)"
-    error = _read_json(path / "error.json")
+    error = _read_json(folder.error)
     if error:
         return f"failed: {error.get('error', 'unknown error')}"
-    hang = path / "hang" / "summary.txt"
+    hang = folder.hang_summary
     if hang.exists():
         return f"hung: {hang.read_text(encoding='utf-8').strip()}"
     if summary and summary.get("steps", -1) >= last_step:
         return "finished"
-    metrics = path / "metrics.jsonl"
+    metrics = folder.metrics
     if metrics.exists() and time.time() - metrics.stat().st_mtime < 120:
         return "running (no summary yet)"
     return "stopped without a summary (killed or failed)"
@@ -136,9 +139,7 @@ def _straggler_cfg(run: Run) -> tuple[float, int]:
 
 def config_digest(run: Run) -> str:
     """The training-relevant config hash (as checkpoints record it), or a hash of the raw file."""
-    from .config import ConfigError, config_hash, load_config
-
-    path = run.path / "config.yaml"
+    path = RunFolder(run.path).config
     if not path.exists():
         return "no config.yaml"
     try:
@@ -200,7 +201,7 @@ def markdown(run: Run, plots: list[Path]) -> str:
 
 # ---- plots ------------------------------------------------------------------------------------
 def _plt():
-    import matplotlib
+    import matplotlib  # lazy: plotting only, at the end
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -377,8 +378,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .config import ConfigError
-
     try:
         runs = [load_run(r) for r in args.runs]
     except FileNotFoundError as e:

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from .config import ConfigError
+from .runfolder import RunFolder
 
 
 class JsonlSink:
@@ -154,7 +155,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def open_sinks(log_cfg, run_dir: Path, *, start_step: int, name: str, config: dict) -> list:
     """The sinks `log.*` asks for; JSONL first and always (the report and tests read it)."""
     run_dir = Path(run_dir)
-    sinks = [JsonlSink(run_dir / "metrics.jsonl", truncate_after_step=start_step)]
+    sinks = [JsonlSink(RunFolder(run_dir).metrics, truncate_after_step=start_step)]
     if log_cfg is None:
         return sinks
     if log_cfg.tensorboard:

@@ -32,13 +32,16 @@ import time
 import psutil
 import torch
 import torch.distributed as tdist
+from torch.nn.parallel import DistributedDataParallel
 
 from . import dist
 from .stragglers import StragglerDetector
 
 MB = 2 ** 20
+# Sums over a log window, per rank. loss: this rank's summed loss; targets/global_tokens/useful: the
+# step's all-reduced totals (equal on every rank); tokens: this rank's own.
 WINDOW = ("steps", "time", "data", "sync", "fwd_bwd", "optimizer", "comm", "comm_exposed", "busy",
-          "tokens", "samples")
+          "tokens", "samples", "loss", "targets", "global_tokens", "useful")
 RESOURCES = ("cpu_percent", "rss_mb", "host_peak_mb", "cuda_allocated_mb", "cuda_peak_mb")
 
 # Dense peak TFLOP/s per GPU: (16-bit tensor cores, fp32). Matched against torch.cuda.get_device_name
@@ -88,8 +91,6 @@ class CommTimer:
 
     @classmethod
     def attach(cls, wrapped, info) -> CommTimer | None:
-        from torch.nn.parallel import DistributedDataParallel
-
         if not isinstance(wrapped, DistributedDataParallel) or info.backend != "gloo":
             return None
         timer = cls(info.world_size)
@@ -154,14 +155,17 @@ class Telemetry:
         # early absorbs the others' set-up time while it waits in the step-start all-reduce.
         dist.barrier(info)
 
-    def step(self, t0: float, t_sync: float, t1: float, t2: float, t3: float, tokens: int) -> None:
-        """Account one optimizer step from the loop's time marks (start, sync, fwd_bwd, optimizer, end)."""
+    def step(self, r) -> None:
+        """Account one optimizer step (train.StepResult): its time marks (start, sync, fwd_bwd, optimizer,
+        end), this rank's tokens and loss, and the step's global totals."""
+        t0, t_sync, t1, t2, t3 = r.times
         comm, exposed = self.comm.take(t2) if self.comm else (0.0, 0.0)
         w = self.window
         for key, value in (("steps", 1), ("time", t3 - t0), ("data", t_sync - t0), ("sync", t1 - t_sync),
                            ("fwd_bwd", t2 - t1), ("optimizer", t3 - t2), ("comm", comm),
                            ("comm_exposed", exposed), ("busy", (t3 - t0) - (t1 - t_sync) - exposed),
-                           ("tokens", tokens), ("samples", self.samples_per_step)):
+                           ("tokens", r.local_tokens), ("samples", self.samples_per_step), ("loss", r.loss_sum),
+                           ("targets", r.count), ("global_tokens", r.tokens), ("useful", r.useful)):
             w[key] += value
         self.train_s += t3 - t0
         self.overhead_s += time.perf_counter() - t3
@@ -193,13 +197,16 @@ class Telemetry:
         def per_step(key):
             return [v / n for v, n in zip(cols[key], steps)]
 
-        rec = {f"{k}_time_s": _r(statistics.fmean(per_step(k))) for k in ("data", "sync", "fwd_bwd", "optimizer")}
+        wall = cols["time"][0]  # rank 0's clock: the global rates below all use one time base
+        global_tokens, useful = cols["global_tokens"][0], cols["useful"][0]
+        rec = {"loss": sum(cols["loss"]) / cols["targets"][0], "tokens_per_s": global_tokens / wall,
+               "step_time_s": wall / steps[0], "useful_tokens_per_s": useful / wall,
+               "pad_fraction": 1 - useful / max(global_tokens, 1)}
+        rec.update({f"{k}_time_s": _r(statistics.fmean(per_step(k))) for k in ("data", "sync", "fwd_bwd", "optimizer")})
         if self.comm_measured:
             rec["comm_time_s"] = _r(statistics.fmean(per_step("comm")))
             rec["comm_exposed_time_s"] = _r(statistics.fmean(per_step("comm_exposed")))
-        # Rank 0's clock, the one the loop's `tokens_per_s` uses, so the global rates share one time base
-        # (other ranks' windows also hold their wait for rank 0's logging, a few % on tiny steps).
-        wall = cols["time"][0]
+        # (other ranks' windows also hold their wait for rank 0's logging, a few % on tiny steps)
         tokens, samples = sum(cols["tokens"]), sum(cols["samples"])
         rec["samples_per_s"] = _r(samples / wall)
         fpt = flops_per_token(self.n_params, self.n_layer, self.d_model, tokens / max(samples, 1))

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import os
-import signal
+import shutil
 import time
 import traceback
 from dataclasses import dataclass
@@ -19,43 +18,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from . import dist, precision
 from .checkpoint import Checkpointer, set_rng_state
 from .data.samplers import GlobalBatchSampler
 from .config import Config, check_world, config_hash, load_config, relevant_subset, save_yaml
 from .evaluate import evaluate
-from .faults import fire, parse_fault
-from .model import count_parameters, tie_shared, unwrap, wrap
+from .faults import Probe, parse_fault
+from .model import count_parameters, quiet_transformers, tie_shared, unwrap, wrap
 from .monitor import Monitor
 from .optim import WarmupCosine, build_optimizer
+from .runfolder import RunFolder, write_json
+from .state import PreemptionFlag, StopTraining, TrainState
 from .tasks import get_task
 from .telemetry import Telemetry
 from .watchdog import Watchdog
-
-PREEMPTED = "PREEMPTED"   # marker file: the run stopped cleanly on a signal and can be resumed
-ERROR = "error.json"      # marker file: why the run stopped with an error (read by the launcher)
-
-
-class StopTraining(RuntimeError):
-    """A deliberate stop with a message for the user (e.g. non-finite loss under nan_policy=stop)."""
-
-
-class PreemptionFlag:
-    """Set by SIGTERM/SIGINT/SIGUSR1; the ranks agree on it at the next step's sync."""
-
-    def __init__(self):
-        self.signal = None
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signal = signal.Signals(signum).name
-
-    @property
-    def requested(self) -> bool:
-        return self.signal is not None
-
 
 def micro_seed(seed: int, step: int, micro_id: int) -> int:
     """Seed for one micro-batch's randomness (dropout), independent of which rank runs it."""
@@ -80,10 +58,6 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
 def _say(info, text: str) -> None:
     if info.is_main:
         print(text, flush=True)
@@ -96,12 +70,12 @@ def train(cfg: Config | str) -> dict:
     info = dist.setup(cfg.dist.backend, timeout_s=max(cfg.dist.startup_timeout_s, cfg.dist.timeout_s) + 60,
                       threads=cfg.dist.threads_per_worker, nccl=dist.nccl_env(cfg.dist),
                       nccl_timeout_s=cfg.dist.nccl_timeout_s, tune_malloc=cfg.dist.keep_freed_memory)
-    watchdog = Watchdog(Path(cfg.run_dir) / "hang", info.rank, cfg.dist.startup_timeout_s).start()
+    watchdog = Watchdog(RunFolder(cfg.run_dir).hang, info.rank, cfg.dist.startup_timeout_s).start()
     try:
         summary = _train(cfg, info, watchdog)
     except BaseException as e:
         if isinstance(e, StopTraining) and info.is_main:
-            _write_json(Path(cfg.run_dir) / ERROR, {"error": str(e), "step": getattr(e, "step", None)})
+            RunFolder(cfg.run_dir).mark_error(str(e), e.step)
         traceback.clear_frames(e.__traceback__)  # drop the DDP model held by the frames (pitfall 2)
         raise
     finally:
@@ -109,12 +83,6 @@ def train(cfg: Config | str) -> dict:
         gc.collect()
     dist.teardown()
     return summary
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -159,34 +127,24 @@ class StepResult:
     times: tuple        # perf_counter marks: start, sync, after sync, after backward, end
 
 
-class Window:
-    """Sums over the steps between two log lines."""
-
-    def __init__(self):
-        self.loss = self.targets = self.tokens = self.useful = self.time = 0.0
-        self.steps = 0
-
-    def add(self, r: StepResult) -> None:
-        self.loss += r.loss_sum
-        self.targets += r.count
-        self.tokens += r.tokens
-        self.useful += r.useful
-        self.time += r.times[-1] - r.times[0]
-        self.steps += 1
-
-    def record(self, global_loss_sum: float) -> dict:
-        return {"loss": global_loss_sum / self.targets, "tokens_per_s": self.tokens / self.time,
-                "step_time_s": self.time / self.steps, "useful_tokens_per_s": self.useful / self.time,
-                "pad_fraction": 1 - self.useful / max(self.tokens, 1)}
+@dataclass
+class Run:
+    """The per-run collaborators every stage of the loop uses."""
+    cfg: Config
+    info: dist.DistInfo
+    folder: RunFolder
+    probe: Probe          # one call per phase: hang watchdog beat + injected faults
+    monitor: Monitor
+    telemetry: Telemetry | None = None
 
 
 def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
-    t, run_dir = cfg.train, Path(cfg.run_dir)
+    t, folder = cfg.train, RunFolder(cfg.run_dir)
     t_launch = time.time()
-    _quiet_transformers()
+    quiet_transformers()
     accum = check_world(cfg, info.world_size)
     if info.is_main:
-        _prepare_run_dir(cfg, run_dir)
+        _prepare_run_dir(cfg, folder)
 
     # ---- data, model, optimizer, resume ------------------------------------------------------
     task = get_task(cfg.task)(cfg, info)
@@ -198,222 +156,205 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
                f"{t.global_batch_size} = micro {t.micro_batch_size} x world {info.world_size} x accum {accum}, "
                f"precision {precision.describe(t.precision, tr.amp_dtype)}, strategy "
                f"{t.strategy if info.world_size > 1 else 'single'}")
-    ckpt = Checkpointer(run_dir, info, t.keep_checkpoints)
-    state = {"step": 0, "samples_seen": 0, "tokens_seen": 0, "nan_skips": 0, "train_time_s": 0.0}
+    ckpt = Checkpointer(folder.root, info, t.keep_checkpoints)
+    state = TrainState()
     resumed = _resume(cfg, ckpt, tr, state, info)
-    start_step = state["step"]
+    start_step = state.step
     sampler = GlobalBatchSampler(len(task.train_set), t.global_batch_size, t.micro_batch_size, t.seed,
                                  task.train_order())
-    monitor = Monitor(run_dir, enabled=info.is_main, progress=cfg.log.progress, max_steps=t.max_steps,
+    monitor = Monitor(folder.root, enabled=info.is_main, progress=cfg.log.progress, max_steps=t.max_steps,
                       start_step=start_step, cfg=cfg)
     if resumed:
         monitor.log(resumed)
-    telemetry = Telemetry(info, cfg, n_params=n_params, model=tr.model, wrapped=tr.wrapped,
-                          amp_dtype=tr.amp_dtype, monitor=monitor)
-    preempt, fault = PreemptionFlag(), parse_fault(cfg.debug.fault)
+    run = Run(cfg, info, folder, Probe(watchdog, parse_fault(cfg.debug.fault), info.rank, info.attempt), monitor)
+    run.telemetry = Telemetry(info, cfg, n_params=n_params, model=tr.model, wrapped=tr.wrapped,
+                              amp_dtype=tr.amp_dtype, monitor=monitor)
+    preempt = PreemptionFlag()
     watchdog.timeout_s = cfg.dist.timeout_s  # start-up is over: the training timeout applies
 
     # ---- the loop ----------------------------------------------------------------------------
     stop, checkpoint_due, last_ckpt_time, eval_metrics = False, False, time.time(), {}
-    window, first_step_at = Window(), None
+    first_step_at = None
     while True:
-        step = state["step"]
+        step = state.step
         last_step = step >= t.max_steps
         if step > start_step and (last_step or (t.eval_every and step % t.eval_every == 0)):
-            watchdog.beat(step, "eval")
+            run.probe(step, "eval")
             eval_metrics = evaluate(task, tr.model, task.val_set, info, t.micro_batch_size, t.eval_max_samples,
                                     tr.autocast)
             monitor.eval(step, eval_metrics)
         if step > start_step and (last_step or stop or checkpoint_due or
                                   (t.checkpoint_every and step % t.checkpoint_every == 0)):
-            _save(cfg, ckpt, tr, state, step, info, watchdog, monitor, fault)
+            _save(run, ckpt, tr, state)
             last_ckpt_time = time.time()
         if last_step or stop:
             break
 
         minutes_due = bool(t.checkpoint_every_minutes) and time.time() - last_ckpt_time > 60 * t.checkpoint_every_minutes
-        r = train_step(cfg, tr, task, sampler, state, info, watchdog, fault, preempt.requested, minutes_due, monitor)
-        state["step"] += 1
-        state["samples_seen"] += t.global_batch_size
-        state["tokens_seen"] += int(r.tokens)
-        state["train_time_s"] += r.times[-1] - r.times[0]
+        r = train_step(run, tr, task, sampler, state, votes=(preempt.requested, minutes_due))
+        state.step += 1
+        state.samples_seen += t.global_batch_size
+        state.tokens_seen += int(r.tokens)
+        state.train_time_s += r.times[-1] - r.times[0]
         first_step_at = first_step_at or time.time()
         stop, checkpoint_due = r.stop, r.checkpoint_due
-        window.add(r)
-        telemetry.step(*r.times, r.local_tokens)
+        run.telemetry.step(r)
 
-        step = state["step"]
+        step = state.step
         if step % t.log_every == 0 or step == t.max_steps or stop:
-            (loss_sum,) = dist.all_reduce([window.loss], info)
-            monitor.train(step, {
-                **window.record(loss_sum), "lr": r.lr, "grad_norm": r.grad_norm,
-                "tokens_seen": state["tokens_seen"], "epoch": state["samples_seen"] / len(task.train_set),
-                **telemetry.collect(step)})  # time split, per-rank resources, MFU (a gather on all ranks)
-            window = Window()
+            # loss, rates, time split, per-rank resources, MFU: one gather on all ranks, the line on rank 0
+            monitor.train(step, {**run.telemetry.collect(step), "lr": r.lr, "grad_norm": r.grad_norm,
+                                 "tokens_seen": state.tokens_seen, "epoch": state.samples_seen / len(task.train_set)})
 
     # ---- finish ------------------------------------------------------------------------------
     if stop:
         if info.is_main:
-            _write_json(run_dir / PREEMPTED, {"step": state["step"], "signal": preempt.signal})
-        monitor.message(f"phalanx: preempted at step {state['step']}; checkpoint written")
+            folder.mark_preempted(state.step, preempt.signal)
+        monitor.message(f"phalanx: preempted at step {state.step}; checkpoint written")
         monitor.close()
-        return {"preempted": True, "step": state["step"]}
-    export_final(tr.model, task, run_dir, info)
+        return {"preempted": True, "step": state.step}
+    export_final(tr.model, task, folder, info)
     summary = {
         "task": cfg.task, "name": cfg.name, "world_size": info.world_size, "global_batch_size": t.global_batch_size,
-        "micro_batch_size": t.micro_batch_size, "grad_accum": accum, "steps": state["step"],
-        "tokens_seen": state["tokens_seen"], "samples_seen": state["samples_seen"],
-        "nan_skipped_steps": state["nan_skips"], "parameters": n_params,
-        "train_time_s": round(state["train_time_s"], 3),
-        "tokens_per_s": state["tokens_seen"] / max(state["train_time_s"], 1e-9),
+        "micro_batch_size": t.micro_batch_size, "grad_accum": accum, "steps": state.step,
+        "tokens_seen": state.tokens_seen, "samples_seen": state.samples_seen,
+        "nan_skipped_steps": state.nan_skips, "parameters": n_params,
+        "train_time_s": round(state.train_time_s, 3),
+        "tokens_per_s": state.tokens_seen / max(state.train_time_s, 1e-9),
         "wall_time_s": round(time.time() - t_launch, 3),
         "startup_s": round((first_step_at or time.time()) - t_launch, 3),
-        "resumed_from_step": start_step, **eval_metrics, **task.summary_extra(), **telemetry.summary()}
+        "resumed_from_step": start_step, **eval_metrics, **task.summary_extra(), **run.telemetry.summary()}
     if info.is_main:
-        _write_json(run_dir / "summary.json", summary)
-    monitor.message(f"phalanx: done at step {state['step']}; final model in {run_dir / 'final'}")
+        write_json(folder.summary, summary)
+    monitor.message(f"phalanx: done at step {state.step}; final model in {folder.final}")
     monitor.close()
     return summary
 
 
-def train_step(cfg: Config, tr: Trainee, task, sampler: GlobalBatchSampler, state: dict, info: dist.DistInfo,
-               watchdog: Watchdog, fault, stop_requested: bool, minutes_due: bool, monitor) -> StepResult:
-    """One optimizer step: this rank's micro-batches of the global batch, one gradient all-reduce."""
-    step = state["step"]
-    watchdog.beat(step, "start")
-    if fault and fault.kind in ("kill", "raise", "sleep") and fault.applies(info.rank, step, info.attempt):
-        fire(fault)
+def train_step(run: Run, tr: Trainee, task, sampler: GlobalBatchSampler, state: TrainState,
+               votes: tuple[bool, bool]) -> StepResult:
+    """One optimizer step: this rank's micro-batches of the global batch, one gradient all-reduce.
+    `votes`: this rank asks to stop (preemption) / to checkpoint now (time-based)."""
+    step, info = state.step, run.info
+    run.probe(step, "start")
     t0 = time.perf_counter()
-    global_ids = sampler.global_batch(state["samples_seen"])
+    global_ids = sampler.global_batch(state.samples_seen)
     micro_ids = sampler.micro_batch_ids(info.rank, info.world_size)
-    batches = [to_device(task.collate(task.train_set, ids), info.device)
+    batches = [dist.to_device(task.collate(task.train_set, ids), info.device)
                for ids in sampler.rank_micro_batches(global_ids, info.rank, info.world_size)]
     local = [sum(task.target_count(b) for b in batches), sum(task.batch_tokens(b) for b in batches),
              sum(task.useful_tokens(b) for b in batches)]
-    if fault and fault.kind == "slow" and fault.applies(info.rank, step, info.attempt):
-        fire(fault)  # test-only straggler: this rank's data phase is slow
+    run.probe(step, "sync")
     t_sync = time.perf_counter()
-    watchdog.beat(step, "sync")
     # One small collective per step: the global target count (loss normaliser) and the stop votes.
-    count, tokens, useful, stop_votes, time_votes = dist.all_reduce(
-        [*local, float(stop_requested), float(minutes_due)], info)
+    count, tokens, useful, stop_votes, time_votes = dist.all_reduce([*local, *map(float, votes)], info)
     t1 = time.perf_counter()
-    losses = _forward_backward(cfg, tr, task, batches, micro_ids, count, step, info, watchdog, fault)
+    losses = _forward_backward(run, tr, task, batches, micro_ids, count, step)
     t2 = time.perf_counter()
-    watchdog.beat(step, "optimizer")
-    grad_norm, lr = _optimizer_step(cfg, tr, state, step, losses, micro_ids, info, monitor)
+    run.probe(step, "optimizer")
+    grad_norm, lr = _optimizer_step(run, tr, state, losses, micro_ids)
     t3 = time.perf_counter()
     return StepResult(loss_sum=float(sum(losses)), count=count, tokens=tokens, useful=useful,
                       local_tokens=local[1], stop=stop_votes > 0, checkpoint_due=time_votes > 0,
                       grad_norm=grad_norm, lr=lr, times=(t0, t_sync, t1, t2, t3))
 
 
-def _forward_backward(cfg, tr: Trainee, task, batches, micro_ids, count, step, info, watchdog, fault) -> list:
+def _forward_backward(run: Run, tr: Trainee, task, batches, micro_ids, count, step) -> list:
     """Accumulate gradients of loss_sum * world / count, so DDP's average is the global-batch mean."""
-    losses = []
+    losses, world = [], run.info.world_size
     for k, (batch, mid) in enumerate(zip(batches, micro_ids)):
-        torch.manual_seed(micro_seed(cfg.train.seed, step, mid))
+        torch.manual_seed(micro_seed(run.cfg.train.seed, step, mid))
         with sync_context(tr.wrapped, tr.model, k == len(batches) - 1):
-            watchdog.beat(step, "forward", k)
+            poison = run.probe(step, "forward", k)
             with tr.autocast():
                 loss = task.loss_sum(tr.forward, batch)
-            if fault and fault.kind == "nan" and fault.applies(info.rank, step, info.attempt):
+            if poison:  # test-only: debug.fault nan
                 loss = loss * float("nan")
-            watchdog.beat(step, "backward", k)
-            tr.scaler.scale(loss * (info.world_size / count)).backward()
+            run.probe(step, "backward", k)
+            tr.scaler.scale(loss * (world / count)).backward()
         losses.append(loss.detach())  # no host sync here: checked only if the step turns out non-finite
     return losses
 
 
-def _optimizer_step(cfg, tr: Trainee, state, step, losses, micro_ids, info, monitor) -> tuple[float, float]:
+def _optimizer_step(run: Run, tr: Trainee, state: TrainState, losses, micro_ids) -> tuple[float, float]:
     """Clip, step (or skip a non-finite step consistently on every rank), schedule, zero."""
-    t = cfg.train
+    t, step = run.cfg.train, state.step
     tr.scaler.unscale_(tr.optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(tr.model.parameters(), t.grad_clip or math.inf))
     lr = tr.schedule.apply(tr.optimizer, step)
     if math.isfinite(grad_norm):
         tr.scaler.step(tr.optimizer)
-        state["consecutive_nan"] = 0
+        state.consecutive_nan = 0
     else:  # the norm comes from all-reduced gradients, so every rank takes this branch together
         local_bad = next((m for m, l in zip(micro_ids, losses) if not torch.isfinite(l)), math.inf)
-        (bad_micro,) = dist.all_reduce([local_bad], info, "min")
+        (bad_micro,) = dist.all_reduce([local_bad], run.info, "min")
         if tr.scaler.is_enabled() and not math.isfinite(bad_micro):
             # fp16: finite losses but the scaled gradients overflowed. Routine for dynamic loss scaling:
             # scaler.update() lowers the scale and the step is skipped; not a NaN.
-            state["fp16_overflows"] = state.get("fp16_overflows", 0) + 1
-            monitor.log({"step": step + 1, "event": "fp16_overflow", "loss_scale": tr.scaler.get_scale()})
+            state.fp16_overflows += 1
+            run.monitor.log({"step": step + 1, "event": "fp16_overflow", "loss_scale": tr.scaler.get_scale()})
         else:
-            _non_finite(t, state, step, bad_micro, monitor)
+            _non_finite(run, state, bad_micro)
     tr.scaler.update()
     tr.optimizer.zero_grad(set_to_none=True)
     return grad_norm, lr
 
 
-def _non_finite(t, state: dict, step: int, bad_micro: float, monitor) -> None:
-    state["nan_skips"] += 1
-    state["consecutive_nan"] = state.get("consecutive_nan", 0) + 1
+def _non_finite(run: Run, state: TrainState, bad_micro: float) -> None:
+    t, step = run.cfg.train, state.step
+    state.nan_skips += 1
+    state.consecutive_nan += 1
     where = f"step {step}, micro-batch {int(bad_micro)}" if math.isfinite(bad_micro) else f"step {step}"
-    if t.nan_policy == "stop" or state["consecutive_nan"] >= t.max_nan_skips:
-        err = StopTraining(f"non-finite loss or gradient norm at {where} (train.nan_policy="
-                           f"{t.nan_policy}, {state['nan_skips']} skipped so far)")
-        err.step = step
-        raise err
-    monitor.message(f"warning: non-finite loss or gradient norm at {where}: step skipped")
-    monitor.log({"step": step + 1, "event": "nan_skip", "where": where})
+    if t.nan_policy == "stop" or state.consecutive_nan >= t.max_nan_skips:
+        raise StopTraining(f"non-finite loss or gradient norm at {where} (train.nan_policy={t.nan_policy}, "
+                           f"{state.nan_skips} skipped so far)", step)
+    run.monitor.message(f"warning: non-finite loss or gradient norm at {where}: step skipped")
+    run.monitor.log({"step": step + 1, "event": "nan_skip", "where": where})
 
 
-def _resume(cfg: Config, ckpt: Checkpointer, tr: Trainee, state: dict, info) -> dict | None:
+def _resume(cfg: Config, ckpt: Checkpointer, tr: Trainee, state: TrainState, info) -> dict | None:
     """Load the checkpoint `cfg.resume` selects into the trainee and `state`; the event to log."""
     path = ckpt.latest() if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "never" else None)
     if path is None:
         return None
     t_load = time.perf_counter()
     meta, rank_state = ckpt.load(path, tr.model, tr.optimizer)
-    state.update(meta["train_state"])
+    state.load_state_dict(meta["train_state"])
     tr.schedule.load_state_dict(meta["schedule"])
     if meta.get("scaler"):
         tr.scaler.load_state_dict(meta["scaler"])
     if rank_state:  # same world size: continue each rank's RNG streams (dropout is seeded per micro-batch)
         set_rng_state(rank_state["rng"])
-    _say(info, f"phalanx: resumed from {path} at step {state['step']} (saved by world size "
-               f"{meta['world_size']}; global sample offset {state['samples_seen']}; elastic attempt "
+    _say(info, f"phalanx: resumed from {path} at step {state.step} (saved by world size "
+               f"{meta['world_size']}; global sample offset {state.samples_seen}; elastic attempt "
                f"{info.attempt})")
-    return {"step": state["step"], "event": "resumed", "from": str(path),
+    return {"step": state.step, "event": "resumed", "from": str(path),
             "load_s": round(time.perf_counter() - t_load, 4), "attempt": info.attempt,
             "saved_world_size": meta["world_size"]}
 
 
-def _save(cfg, ckpt: Checkpointer, tr: Trainee, state, step, info, watchdog, monitor, fault) -> None:
-    watchdog.beat(step, "checkpoint")
-    hook = (lambda: fire(fault)) if fault and fault.kind == "kill_in_checkpoint" and \
-        fault.applies(info.rank, step, info.attempt) else None
-    meta = {"train_state": state, "schedule": tr.schedule.state_dict(), "scaler": tr.scaler.state_dict(),
-            "config_hash": config_hash(cfg), "config": relevant_subset(cfg)}
-    path, seconds = ckpt.save(step, tr.model, tr.optimizer, meta, fault_hook=hook)
-    monitor.log({"step": step, "event": "checkpoint", "checkpoint_s": round(seconds, 4), "path": str(path)})
+def _save(run: Run, ckpt: Checkpointer, tr: Trainee, state: TrainState) -> None:
+    step = state.step
+    run.probe(step, "checkpoint")
+    meta = {"train_state": state.state_dict(), "schedule": tr.schedule.state_dict(),
+            "scaler": tr.scaler.state_dict(), "config_hash": config_hash(run.cfg), "config": relevant_subset(run.cfg)}
+    path, seconds = ckpt.save(step, tr.model, tr.optimizer, meta,
+                              after_write=lambda: run.probe(step, "checkpoint_written"))
+    run.monitor.log({"step": step, "event": "checkpoint", "checkpoint_s": round(seconds, 4), "path": str(path)})
 
 
-def _quiet_transformers() -> None:
-    import transformers
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+def _prepare_run_dir(cfg: Config, folder: RunFolder) -> None:
+    folder.root.mkdir(parents=True, exist_ok=True)
+    save_yaml(cfg, folder.config)
+    folder.preempted.unlink(missing_ok=True)
+    folder.error.unlink(missing_ok=True)
 
 
-def _prepare_run_dir(cfg: Config, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_yaml(cfg, run_dir / "config.yaml")
-    (run_dir / PREEMPTED).unlink(missing_ok=True)
-    (run_dir / ERROR).unlink(missing_ok=True)
-
-
-def export_final(model, task, run_dir: Path, info: dist.DistInfo) -> None:
+def export_final(model, task, folder: RunFolder, info: dist.DistInfo) -> None:
     """Write RUN/final in the Hugging Face format (safetensors) with the tokenizer, atomically."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if info.is_main:
-        import shutil
-        final, tmp = run_dir / "final", run_dir / ".final.tmp"
+        final, tmp = folder.final, folder.root / ".final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         unwrap(model).save_pretrained(tmp, state_dict=tie_shared(full, model))
         task.tokenizer.save_pretrained(tmp)

@@ -15,9 +15,11 @@ import threading
 import time
 from pathlib import Path
 
-HANG_EXIT = 3
+from .runfolder import EXIT_HANG as HANG_EXIT
+
 # Order of the stages within one step; a rank at an earlier stage is behind.
-PHASES = ("start", "sync", "data", "forward", "backward", "optimizer", "eval", "checkpoint", "done")
+PHASES = ("start", "sync", "data", "forward", "backward", "optimizer", "eval", "checkpoint", "checkpoint_written",
+          "done")
 
 
 class Watchdog:
@@ -35,10 +37,6 @@ class Watchdog:
     def beat(self, step: int, phase: str, micro: int = 0) -> None:
         self.position = {"step": step, "micro": micro, "phase": phase}
         self._last = time.monotonic()
-
-    def pause(self, seconds: float) -> None:
-        """Allow one long stage (e.g. the first compile) by pushing the deadline back."""
-        self._last = time.monotonic() + seconds
 
     def stop(self) -> None:
         self._stop.set()

@@ -5,11 +5,12 @@ import os
 import sys
 import traceback
 
+from .config import load_config
+from .state import StopTraining
+from .train import train
+
 
 def main() -> None:
-    from .config import load_config
-    from .train import StopTraining, train
-
     code = 0
     try:
         train(load_config(sys.argv[1], check_paths=False))  # a clean preemption also exits 0

@@ -93,7 +93,7 @@ def test_nnodes_range_passes_through_to_the_elastic_launcher():
 
     from phalanx.launch import torchrun_args
 
-    argv = torchrun_args(Path("c.yaml"), 2, "1:4", "head:29500", "job7", 3)
+    argv = torchrun_args(["phalanx.worker", "c.yaml"], 2, "1:4", "head:29500", "job7", 3)
     args = trun.get_args_parser().parse_args(argv)
     assert (args.nnodes, args.nproc_per_node, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id,
             args.max_restarts) == ("1:4", "2", "c10d", "head:29500", "job7", 3)

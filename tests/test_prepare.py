@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from tokenizers import Tokenizer
 
 from conftest import REPO, SHAKESPEARE, phalanx
@@ -173,12 +174,13 @@ def test_changed_file_invalidates_the_store(tmp_path):
     text.write_text(SHAKESPEARE.read_text()[:30000], encoding="utf-8")
     cfg = cfg_for(text, tmp_path / "c")
     lm_store.prepare_lm(cfg, 1, progress=False)
-    assert lm_store.lm_data_ready(cfg)
+    before = len(lm_store.open_lm_data(cfg).train)
     with open(text, "a", encoding="utf-8") as f:
         f.write("A new line at the end.\n")
-    assert not lm_store.lm_data_ready(cfg)
+    with pytest.raises(FileNotFoundError, match="not prepared|older than the data"):  # (its tokenizer too)
+        lm_store.open_lm_data(cfg)
     lm_store.prepare_lm(cfg, 1, progress=False)
-    assert lm_store.lm_data_ready(cfg)
+    assert len(lm_store.open_lm_data(cfg).train) > before
 
 
 def test_hub_dataset_code_path_streams_a_local_dataset_folder(tmp_path):

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from phalanx.data.samplers import GlobalBatchSampler, eval_shard, length_grouped_order
+from phalanx.data.samplers import GlobalBatchSampler, length_grouped_order
+from phalanx.evaluate import eval_shard
 
 
 def epoch_assignments(n, global_bs, micro, world, seed, epoch, order=None):

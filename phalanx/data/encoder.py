@@ -13,6 +13,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+import tiktoken
+from tokenizers import Tokenizer
 
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -36,10 +38,6 @@ def _tiktoken_for(spec: dict):
     if (model.get("type") != "BPE" or model.get("dropout") or model.get("continuing_subword_prefix")
             or model.get("end_of_word_suffix") or model.get("byte_fallback") or spec.get("normalizer")
             or pre.get("type") != "ByteLevel" or not pre.get("use_regex", True) or pre.get("add_prefix_space")):
-        return None
-    try:
-        import tiktoken
-    except ImportError:
         return None
     byte_of = {c: b for b, c in _bytes_to_unicode().items()}
     specials = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
@@ -65,8 +63,6 @@ class Encoder:
     """Encodes documents into flat id arrays; `kind` is 'tiktoken' or 'tokenizers'."""
 
     def __init__(self, tokenizer_dir: str | Path, kind: str = "tokenizers"):
-        from tokenizers import Tokenizer
-
         path = Path(tokenizer_dir) / "tokenizer.json"
         self.hf = Tokenizer.from_file(str(path))
         self.fast = _tiktoken_for(json.loads(path.read_text(encoding="utf-8"))) if kind == "tiktoken" else None

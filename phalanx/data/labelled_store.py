@@ -17,10 +17,12 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from ..config import Config, ConfigError
 from . import cache, pieces, prepare, store, tokenizer as toks
 from .labelled import EncodedSet, class_lookup, label_names
+from ..runfolder import write_json
 from .prepare import report, source_identity, splits
 
 VERSION = "classify-store-v1"
@@ -52,8 +54,6 @@ class ClassifyData:
 @lru_cache(maxsize=4)
 def _tokenizer(tokenizer_dir: str, max_length: int):
     """The raw `tokenizers` backend with the truncation `transformers` applies for truncation=True."""
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     tok.no_padding()
     tok.enable_truncation(max_length, strategy="longest_first")
@@ -83,7 +83,7 @@ def encode_piece(job: ClassifyJob, piece: pieces.Piece, folder: Path) -> dict:
     record = {"file": f"{piece.fingerprint}.npz", "fingerprint": piece.fingerprint, "rows": len(lengths),
               "tokens": int(sum(lengths)), "labels": list(labels), "kind": piece.kind, "source": piece.source,
               "range": [piece.start, piece.end], "bytes_in": piece.size}
-    store.write_json(folder / f"{piece.fingerprint}.json", record)
+    write_json(folder / f"{piece.fingerprint}.json", record)
     return record
 
 
@@ -135,7 +135,7 @@ def prepare_classify(cfg: Config, workers: int = 0, progress: bool = True, say=N
     summary.update(seconds=round(time.perf_counter() - t0, 3), folder=str(folder), source=d.train,
                    shards=sum(len(r) for r in per_split.values()),
                    input_bytes=sum(x["bytes_in"] for r in per_split.values() for x in r))
-    store.write_json(folder / store.INDEX, {"version": VERSION, "sources": identity(cfg), "summary": summary,
+    write_json(folder / store.INDEX, {"version": VERSION, "sources": identity(cfg), "summary": summary,
                                             "shards": per_split, "labels": summary["labels"]})
     prepare.remove_unlisted(folder, [x for r in per_split.values() for x in r])
     say(f"phalanx: prepared {d.train}: {summary['train_samples']:,} training and {summary['val_samples']:,} "
@@ -233,7 +233,7 @@ def locate(record: dict, k: int) -> str:
                 if seen == k:
                     return f"data file '{source}' line {line + offset}"
     if record["kind"] == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # lazy: only Parquet inputs need it
 
         meta = pq.ParquetFile(source).metadata
         start = sum(meta.row_group(g).num_rows for g in range(start))
@@ -251,11 +251,3 @@ def open_classify(cfg: Config) -> ClassifyData:
     tok_dir = cache.cache_root(cfg.data.cache_dir) / f"tokenizer-{tokenizer_fingerprint(cfg)}"
     return ClassifyData(tok_dir, index["labels"], EncodedSet.load(folder / "train"),
                         EncodedSet.load(folder / "validation"))
-
-
-def ready(cfg: Config) -> bool:
-    try:
-        open_classify(cfg)
-        return True
-    except FileNotFoundError:
-        return False

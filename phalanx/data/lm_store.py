@@ -14,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import host
 from ..config import Config, ConfigError
 from . import cache, encoder, pieces, prepare, store, tokenizer as toks
+from ..runfolder import write_json
 from .prepare import report, source_identity, splits
 
 VERSION = "lm-store-v1"
@@ -77,7 +79,7 @@ def prepare_lm(cfg: Config, workers: int = 0, progress: bool = True, say=None) -
     root = cache.cache_root(d.cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     tok_dir = prepare.prepare_tokenizer(cfg, "bpe", text_fields(cfg), "eos_token", say)
-    workers = workers or prepare.cores()
+    workers = workers or host.cores()
     summaries = {}
     for spec, key, split in splits(cfg):
         folder = store_folder(cfg, root, spec, split, tok_dir)
@@ -118,7 +120,7 @@ def build_store(cfg: Config, folder: Path, spec: str, key: str, split: str, iden
                "workers": workers, "folder": str(folder)}
     if tokens == 0:
         raise ConfigError(f"config key '{key}': '{spec or 'built-in corpus'}' contains no text")
-    store.write_json(folder / store.INDEX, {
+    write_json(folder / store.INDEX, {
         "version": VERSION, "dtype": job.dtype, "vocab_size": vocab, "eos_id": eos,
         "tokenizer": tok_dir.name, "sources": identity, "tokens": tokens, "documents": summary["documents"],
         "shards": records, "summary": summary, "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
@@ -178,11 +180,3 @@ def open_lm_data(cfg: Config) -> LMData:
     train = opened["train"]
     val_tokens = 0 if "validation" in opened else min(int(round(len(train) * d.val_fraction)), d.val_max_tokens)
     return LMData(tok_dir, train, opened.get("validation"), val_tokens)
-
-
-def lm_data_ready(cfg: Config) -> bool:
-    try:
-        open_lm_data(cfg)
-        return True
-    except FileNotFoundError:
-        return False

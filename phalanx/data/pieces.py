@@ -107,7 +107,7 @@ def _cuts(path: Path, size: int, piece_bytes: int, finder) -> list[int]:
 def _file_pieces(path: Path, kind: str, fields: Fields, piece_bytes: int) -> list[Piece]:
     ident = file_identity(path)
     if kind == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # lazy: pyarrow only for Parquet/CSV inputs
 
         meta = pq.ParquetFile(path).metadata
         groups, sizes = [0], 0
@@ -311,7 +311,7 @@ def csv_rows(path: Path, fields: Fields) -> Iterator[tuple]:
 
 def hub_rows(spec: str, fields: Fields, split: str) -> Iterator[tuple]:
     """A Hugging Face dataset streamed row by row (a hub name where a network exists, or a local folder)."""
-    import datasets
+    import datasets  # lazy: ~1 s of start-up, only for hub data
 
     name, _, subset = spec[3:].partition(":")
     try:

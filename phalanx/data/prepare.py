@@ -14,6 +14,7 @@ that died on this host).
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import socket
 import sys
@@ -23,7 +24,9 @@ from pathlib import Path
 from typing import Callable
 
 import psutil
+from tqdm import tqdm
 
+from .. import host
 from ..config import Config, ConfigError
 from . import cache, pieces, store, tokenizer as toks
 from .sources import files_of, format_of
@@ -131,20 +134,22 @@ def prepare_tokenizer(cfg: Config, kind: str, fields: pieces.Fields, needs: str,
                             is_builder=True, timeout_s=0)
 
 
-def ensure_ready(ready: Callable[[], bool], build: Callable[[], object], is_builder: bool,
-                 timeout_s: float) -> None:
-    """In a worker started by an outside torchrun/srun with nothing prepared: the node's first process
-    prepares, the others wait for the index file (not in a collective that could time out)."""
-    if ready():
-        return
-    if is_builder:
-        build()
-        return
+def open_or_prepare(open_: Callable[[], object], build: Callable[[], object], is_builder: bool,
+                    timeout_s: float):
+    """Open the prepared data. In a worker started by an outside torchrun/srun with nothing prepared,
+    the node's first process prepares it and the others wait for the index (not in a collective that
+    could time out). `open_` raises FileNotFoundError while the data is not ready."""
     deadline = time.monotonic() + timeout_s
-    while not ready():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s:.0f}s for the node's first process to prepare the data")
-        time.sleep(0.1)
+    while True:
+        try:
+            return open_()
+        except FileNotFoundError:
+            if is_builder:
+                build()
+                return open_()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout_s:.0f}s for the node's first process to prepare the data")
+            time.sleep(0.1)
 
 
 def check_sample(cfg: Config, fields: pieces.Fields, head: int = 1 << 20, windows: int = 4,
@@ -178,11 +183,7 @@ def piece_bytes(shard_mb: float, total: int) -> int:
 
 def pool_size(workers: int, total: int, per_piece: int) -> int:
     """No pool (its start-up costs ~1 s) when the input is one piece."""
-    return 1 if 0 < total <= per_piece else (workers or cores())
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 1 if 0 < total <= per_piece else (workers or host.cores())
 
 
 
@@ -192,13 +193,11 @@ def remove_unlisted(folder: Path, records: list[dict]) -> None:
     keep = {r["fingerprint"] for r in records}
     for path in folder.iterdir():
         stale = path.suffix in (".bin", ".json", ".npz") and path.name != store.INDEX and path.stem not in keep
-        if stale or path.name.endswith(".tmp"):  # also what a killed preparation was writing
+        if stale or path.name.endswith((".tmp", ".claim")):  # also what a killed preparation left
             path.unlink(missing_ok=True)
 
 
 def progress_bar(enabled: bool, total: int, label: str):
-    from tqdm import tqdm
-
     return tqdm(total=total or None, unit="B", unit_scale=True, unit_divisor=1000, desc=f"prepare {label}",
                 disable=not enabled, file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, "
@@ -270,8 +269,6 @@ class Encoding:
                 self.bar.update(piece.size)
 
     def _pooled(self, plan) -> None:
-        import multiprocessing as mp
-
         ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (torch, tokenizers)
         counter = ctx.Value("q", 0)
         with ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
@@ -334,8 +331,10 @@ def _claim(folder: Path, fp: str) -> bool:
         except FileExistsError:
             try:
                 owner = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                return False  # being written right now
+            except (OSError, json.JSONDecodeError):  # being written now, or its writer died at once
+                if time.time() - path.stat().st_mtime < 10:
+                    return False
+                owner = {"host": socket.gethostname(), "pid": -1}
             if owner.get("host") == socket.gethostname() and not psutil.pid_exists(owner.get("pid", -1)):
                 path.unlink(missing_ok=True)
                 continue

@@ -113,8 +113,3 @@ class GlobalBatchSampler:
         """Global micro-batch numbers of this rank's micro-batches (seeds dropout per micro-batch)."""
         total = self.global_batch_size // self.micro_batch_size
         return list(range(total))[rank::world_size]
-
-
-def eval_shard(n: int, rank: int, world_size: int) -> range:
-    """Contiguous, uneven-but-exact shard of n evaluation samples: every sample on exactly one rank."""
-    return range(rank * n // world_size, (rank + 1) * n // world_size)

@@ -17,19 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ..runfolder import write_json
+
 INDEX = "index.json"
 VERSION = 1
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 65536 else np.uint32)
-
-
-def write_json(path: Path, obj) -> None:
-    """Write-then-rename, so a reader sees the old file, the whole new one, or nothing."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def read_index(folder: Path) -> dict | None:

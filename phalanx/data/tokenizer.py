@@ -12,6 +12,10 @@ import json
 from pathlib import Path
 from typing import Iterable
 
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from ..config import hub_name
+
 EOS = "<|endoftext|>"
 WORDPIECE_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 SPECIALS_FILE = "phalanx-tokenizer.json"
@@ -21,15 +25,8 @@ SPECIALS = {"bpe": {"eos_token": EOS, "bos_token": EOS, "unk_token": EOS},
                           "sep_token": "[SEP]", "mask_token": "[MASK]"}}
 
 
-def hub_name(spec: str) -> str:
-    """'hf:NAME' -> 'NAME'; a local path stays as it is."""
-    return spec[3:] if spec.startswith("hf:") else spec
-
-
 def train_bpe(texts: Iterable[str], vocab_size: int):
     """Byte-level BPE (GPT-2 style) with one end-of-text token; a `tokenizers.Tokenizer`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -41,8 +38,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
 
 def train_wordpiece(texts: Iterable[str], vocab_size: int):
     """BERT-style WordPiece with [CLS] a [SEP] b [SEP] post-processing; a `tokenizers.Tokenizer`."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -64,7 +59,7 @@ def save_trained(tok, kind: str, folder: Path) -> None:
 
 
 def load_pretrained(spec: str):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers costs ~2 s, preparation never needs it
 
     return AutoTokenizer.from_pretrained(hub_name(spec))
 
@@ -82,8 +77,6 @@ def load_saved(folder: str | Path):
 
 def backend(folder: str | Path):
     """The `tokenizers` backend of a cached tokenizer (preparation: no transformers import)."""
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
 
 

@@ -1,19 +1,31 @@
-"""Tasks plug into the task-agnostic loop in train.py through the same few methods.
+"""Tasks plug into the task-agnostic loop in train.py through the `Task` interface (base.py).
 
-A task object has: `prepare()` (builds `train_set`, `val_set`, `tokenizer`), `train_order()` (an epoch
-order for the sampler, or None for a plain shuffle), `build_model()`, `collate(dataset, indices)`,
-`target_count(batch)`, `useful_tokens(batch)` (non-padding), `loss_sum(model, batch)` (summed over targets: the loop normalises by the
-global count), `batch_tokens(batch)`, `eval_sums(model, batch)` / `eval_metrics(sums)` (exact,
-all-reduced evaluation), `export(model, folder)` and `summary_extra()`.
+`get_task(name)` imports only the chosen task's module (each pulls in its own model family).
 """
 from __future__ import annotations
 
+import sys
 
-def get_task(name: str):
+from ..config import Config
+from .base import Task
+
+
+def get_task(name: str) -> type[Task]:
     if name == "lm":
-        from .lm import LMTask
+        from .lm import LMTask  # lazy: only the chosen task's module is imported
         return LMTask
     if name == "classify":
         from .classify import ClassifyTask
         return ClassifyTask
     raise ValueError(f"unknown task {name!r}")
+
+
+def prepare_data(cfg: Config, workers: int = 0, progress: bool | None = None) -> dict:
+    """The data step (`phalanx prepare`, or the launcher before any worker starts): bounded pre-flight
+    checks on a sample, then the tokenizer and the stores. A data error is a ConfigError (exit 2)."""
+    task = get_task(cfg.task)
+    task.check_config(cfg)
+    task.preflight(cfg)
+    if progress is None:  # the bar follows log.progress (auto = only on an interactive terminal)
+        progress = cfg.log.progress == "bar" or (cfg.log.progress == "auto" and sys.stderr.isatty())
+    return task.prepare_data(cfg, workers or cfg.data.prepare_workers, progress)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 from ..config import Config, ConfigError
 from ..data import lm_store, prepare, store, tokenizer as toks
 from ..model import build_causal_lm
+from .base import TaskBase
 
 IGNORE = -100
 
@@ -57,12 +57,10 @@ def check_enough(cfg: Config, data: lm_store.LMData) -> None:
                           f"= {bs + 1}; add text, raise data.val_fraction, or set data.val_fraction=0 (no evaluation)")
 
 
-class LMTask:
+class LMTask(TaskBase):
     name = "lm"
-
-    def __init__(self, cfg: Config, info):
-        self.cfg, self.info = cfg, info
-        self.train_set = self.val_set = self.tokenizer = None
+    ARCHS = ("gpt2", "llama")
+    AUTO_MODEL = "AutoModelForCausalLM"
 
     # ---- data -------------------------------------------------------------------------------
     @staticmethod
@@ -81,9 +79,8 @@ class LMTask:
         """Open the prepared stores. Started by an outside torchrun/srun, the node's first process
         prepares them (the others wait for the index files, not in a collective that could time out)."""
         cfg = self.cfg
-        prepare.ensure_ready(lambda: lm_store.lm_data_ready(cfg), lambda: lm_store.prepare_lm(cfg, progress=False),
-                             self.info.is_local_main, cfg.dist.startup_timeout_s)
-        data = lm_store.open_lm_data(cfg)
+        data = prepare.open_or_prepare(lambda: lm_store.open_lm_data(cfg), lambda: lm_store.prepare_lm(cfg, progress=False),
+                                       self.info.is_local_main, cfg.dist.startup_timeout_s)
         self.tokenizer = toks.load_saved(data.tokenizer_dir)
         self.train_set, self.val_set = blocks(data, cfg.model.block_size)
         check_enough(cfg, data)
@@ -92,18 +89,20 @@ class LMTask:
         return None
 
     # ---- model and steps --------------------------------------------------------------------
+    @staticmethod
+    def sequence_length(cfg: Config) -> int:
+        return cfg.model.block_size
+
+    @staticmethod
+    def model_for(cfg: Config, vocab_size: int, special_id: int):
+        return build_causal_lm(cfg.model, vocab_size, special_id)
+
     def build_model(self):
-        return build_causal_lm(self.cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id)
+        return self.model_for(self.cfg, len(self.tokenizer), self.tokenizer.eos_token_id)
 
     def collate(self, dataset: PackedBlocks, indices) -> dict:
         blocks = torch.from_numpy(dataset.batch(indices))
         return {"input_ids": blocks[:, :-1].contiguous(), "labels": blocks[:, 1:].contiguous()}
-
-    def target_count(self, batch: dict) -> int:
-        return int(batch["labels"].numel())
-
-    def batch_tokens(self, batch: dict) -> int:
-        return int(batch["input_ids"].numel())
 
     def useful_tokens(self, batch: dict) -> int:
         return self.batch_tokens(batch)  # packed: no padding
@@ -128,23 +127,3 @@ class LMTask:
     def summary_extra(self) -> dict:
         return {"train_blocks": len(self.train_set), "val_blocks": len(self.val_set),
                 "vocab_size": len(self.tokenizer)}
-
-
-def generate(run_dir: str, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
-             top_k: int = 50, seed: int = 0) -> str:
-    """Sample a continuation of `prompt` from RUN/final (a plain transformers model)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = Path(run_dir) / "final"
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    torch.manual_seed(seed)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 1024)
-    ids = ids[:, -(limit - max_new_tokens):] if ids.shape[1] + max_new_tokens > limit else ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                             temperature=temperature or None, top_k=top_k,
-                             pad_token_id=tokenizer.eos_token_id, attention_mask=torch.ones_like(ids))
-    return tokenizer.decode(out[0], skip_special_tokens=True)
-

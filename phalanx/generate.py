@@ -1,0 +1,44 @@
+"""`phalanx generate`: sample a continuation from a finished language-model run (RUN/final).
+
+Only the sample goes to stdout (model loading is silenced), so the output can be piped.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import ConfigError
+from .model import load_causal_lm
+from .runfolder import EXIT_OK, RunFolder
+
+
+def add_arguments(p) -> None:
+    """Flags of `phalanx generate` (cli.py dispatches here)."""
+    p.add_argument("run", help="run folder")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+    if not RunFolder(args.run).final.is_dir():
+        raise ConfigError(f"run '{args.run}': no final/ model (has the run finished?)")
+    print(generate(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    return EXIT_OK
+
+
+def generate(run_dir: str, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
+             top_k: int = 50, seed: int = 0) -> str:
+    """Sample a continuation of `prompt` from RUN/final (a plain transformers model)."""
+    model, tokenizer = load_causal_lm(RunFolder(run_dir).final)
+    torch.manual_seed(seed)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 1024)
+    ids = ids[:, -(limit - max_new_tokens):] if ids.shape[1] + max_new_tokens > limit else ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                             temperature=temperature or None, top_k=top_k,
+                             pad_token_id=tokenizer.eos_token_id, attention_mask=torch.ones_like(ids))
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+

@@ -1,0 +1,97 @@
+"""`phalanx predict`: classify texts with a finished classification run (RUN/final), on N processes.
+
+One JSON line per input, in input order. With --nproc-per-node N the same command is started N times
+through the launcher (launch.run_workers); each worker takes a contiguous share and rank 0 writes all.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import dist
+from .config import Config, ConfigError, load_config
+from .data import labelled
+from .evaluate import eval_shard
+from .launch import failure_line_of, run_workers
+from .model import load_classifier
+from .runfolder import EXIT_FAILED, EXIT_OK, RunFolder, write_text
+from .tasks.classify import predict_probs
+
+
+def add_arguments(p) -> None:
+    """Flags of `phalanx predict` (cli.py dispatches here)."""
+    p.description = "Classify texts with RUN/final; one JSON line per input, in input order."
+    p.add_argument("run", help="run folder of a finished classify run (uses RUN/final and RUN/config.yaml)")
+    p.add_argument("--input", required=True, help="JSONL/CSV/Parquet with the run's text field(s), or a .txt "
+                   "file with one text per line")
+    p.add_argument("--output", default="", help="JSONL file to write (default: standard output)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="worker processes (each takes a contiguous share)")
+    p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass")
+
+
+def _run_config(run: str) -> Config:
+    folder = RunFolder(run)
+    if not (folder.final / "config.json").is_file() or not folder.config.is_file():
+        raise ConfigError(f"run '{run}': no final/ model or config.yaml (has the run finished?)")
+    cfg = load_config(str(folder.config), check_paths=False)
+    if cfg.task != "classify":
+        raise ConfigError(f"run '{run}': task is '{cfg.task}', predict needs a 'classify' run")
+    return cfg
+
+
+def run(args) -> int:
+    """Check everything here, then predict in this process or launch N workers."""
+    if args.nproc_per_node < 1 or args.batch_size < 1:
+        raise ConfigError("--nproc-per-node and --batch-size must be >= 1")
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        raise ConfigError(f"--output: folder of '{args.output}' does not exist")
+    cfg = _run_config(args.run)
+    if not Path(args.input).is_file():
+        raise ConfigError(f"--input: file '{args.input}' not found")
+    examples = labelled.read_inputs(args.input, cfg.data.text_field, cfg.data.text_pair_field)
+    if args.nproc_per_node > 1 and not dist.under_torchrun():
+        argv = ["phalanx", "predict", str(args.run), "--input", str(args.input), "--batch-size", str(args.batch_size),
+                "--nproc-per-node", str(args.nproc_per_node), *(["--output", str(args.output)] if args.output else [])]
+        failure = run_workers(argv, args.nproc_per_node, dist.default_threads(args.nproc_per_node))
+        if failure is not None:
+            print(f"phalanx: predict failed: {failure_line_of(failure)}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
+        return EXIT_OK
+    return _predict_worker(args, cfg, examples)
+
+
+def _predict_worker(args, cfg: Config, examples: labelled.Examples) -> int:
+    info = dist.setup(cfg.dist.backend, timeout_s=cfg.dist.timeout_s) if dist.under_torchrun() else None
+    rank, world = (info.rank, info.world_size) if info else (0, 1)
+    device = info.device if info else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_classifier(RunFolder(args.run).final)
+    model = model.to(device)
+    shard = eval_shard(len(examples), rank, world)
+    probs = predict_probs(model, tokenizer, examples.take(shard.start, shard.stop), cfg.data.max_length,
+                          args.batch_size, device)
+    if world > 1:  # contiguous shards in rank order: concatenating them restores the input order
+        gathered = [None] * world if rank == 0 else None
+        torch.distributed.gather_object(probs, gathered, dst=0)
+        probs = np.concatenate(gathered) if rank == 0 else None
+    if rank == 0:
+        names = [model.config.id2label[i] for i in range(probs.shape[1])]
+        _write_predictions(probs, names, args.output)
+    if info:
+        dist.teardown()
+    return EXIT_OK
+
+
+def _write_predictions(probs: np.ndarray, names: list[str], output: str) -> None:
+    lines = [json.dumps({"label": names[int(row.argmax())],
+                         "probabilities": {n: round(float(p), 6) for n, p in zip(names, row)}})
+             for row in probs]
+    text = "".join(line + "\n" for line in lines)
+    if not output:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    write_text(Path(output), text)

@@ -1,0 +1,63 @@
+"""The run folder's contract, in one place: its paths, the marker files that say how a run ended, and
+the launcher's exit codes. Outside scripts rely on these names (README "Run folder"). Torch-free, so
+`phalanx report` can use it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HANG, EXIT_PREEMPTED = 0, 1, 2, 3, 75
+
+
+def write_text(path: Path, text: str, fsync: bool = False) -> None:
+    """Write-then-rename: a reader sees the old file, the whole new one, or nothing."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj, fsync: bool = False) -> None:
+    write_text(path, json.dumps(obj, indent=1), fsync)
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+class RunFolder:
+    """runs/<name>/: what a run writes, and the markers of how it ended."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.config = self.root / "config.yaml"           # the resolved config the workers read
+        self.metrics = self.root / "metrics.jsonl"        # one JSON object per logged step/eval/event
+        self.summary = self.root / "summary.json"         # what the run achieved and cost
+        self.checkpoints = self.root / "checkpoints"      # step_NNNNNN/ + latest
+        self.final = self.root / "final"                  # Hugging Face model + tokenizer
+        self.preempted = self.root / "PREEMPTED"          # stopped cleanly on a signal; resumable
+        self.error = self.root / "error.json"             # why the run stopped with an error
+        self.hang = self.root / "hang"                    # rank<r>.txt stacks + summary.txt
+        self.hang_summary = self.hang / "summary.txt"
+
+    def clear_outcome(self) -> None:
+        """A new attempt starts: forget how the previous one ended."""
+        self.preempted.unlink(missing_ok=True)
+        self.error.unlink(missing_ok=True)
+        shutil.rmtree(self.hang, ignore_errors=True)
+
+    def mark_preempted(self, step: int, signal_name: str | None) -> None:
+        write_json(self.preempted, {"step": step, "signal": signal_name})
+
+    def mark_error(self, message: str, step: int | None) -> None:
+        write_json(self.error, {"error": message, "step": step})

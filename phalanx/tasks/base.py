@@ -1,0 +1,63 @@
+"""The task interface: what the training loop (train.py), the evaluator and the launcher call on a task.
+
+A task is a small object; adding one never touches the loop. `TaskBase` holds what the tasks share.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from ..config import Config, ConfigError
+
+
+class Task(Protocol):
+    name: str
+    train_set: Any      # len() and the indices the sampler hands out
+    val_set: Any
+    tokenizer: Any      # saved with the final model
+
+    # ---- in the launcher, before any worker starts (static: no task object yet)
+    @classmethod
+    def check_config(cls, cfg: Config) -> None: ...
+    @staticmethod
+    def preflight(cfg: Config) -> None: ...
+    @staticmethod
+    def prepare_data(cfg: Config, workers: int = 0, progress: bool = True) -> dict: ...
+    @staticmethod
+    def sequence_length(cfg: Config) -> int: ...
+
+    # ---- in every worker
+    def prepare(self) -> None: ...
+    def train_order(self): ...
+    def build_model(self) -> torch.nn.Module: ...
+    def collate(self, dataset, indices) -> dict: ...
+    def target_count(self, batch: dict) -> int: ...
+    def batch_tokens(self, batch: dict) -> int: ...
+    def useful_tokens(self, batch: dict) -> int: ...
+    def loss_sum(self, model, batch: dict) -> torch.Tensor: ...
+    def eval_sums(self, model, batch: dict) -> list[float]: ...
+    def eval_metrics(self, sums: list[float]) -> dict: ...
+    def summary_extra(self) -> dict: ...
+
+
+class TaskBase:
+    """Shared parts: the architectures a task trains, and batch counts of the `input_ids`/`labels` form."""
+    name = ""
+    ARCHS: tuple[str, ...] = ()
+
+    def __init__(self, cfg: Config, info):
+        self.cfg, self.info = cfg, info
+        self.train_set = self.val_set = self.tokenizer = None
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        if not cfg.model.pretrained and cfg.model.arch not in cls.ARCHS:
+            raise ConfigError(f"config key 'model.arch': task '{cls.name}' needs {' or '.join(cls.ARCHS)}, "
+                              f"got {cfg.model.arch!r}")
+
+    def target_count(self, batch: dict) -> int:
+        return int(batch["labels"].numel())
+
+    def batch_tokens(self, batch: dict) -> int:
+        return int(batch["input_ids"].numel())

@@ -1,0 +1,558 @@
+"""Fast in-process unit tests of optim, model, checkpoint and evaluate (no subprocesses, no torchrun).
+
+The end-to-end tests run these modules inside real multi-process launches; here each behaviour is pinned
+down directly on tiny models, so a regression names the function that broke. Checkpoint and evaluation
+tests use a real single-process Gloo group made by `phalanx.dist.setup` (module-scoped, torn down and the
+environment restored afterwards).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import random
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+import phalanx.dist as pdist
+from phalanx.checkpoint import (CheckpointError, Checkpointer, check_safe, complete_in, latest_in, read_meta,
+                                rng_state, set_rng_state)
+from phalanx.config import ModelConfig, TrainConfig
+from phalanx.evaluate import evaluate
+
+try:  # eval_shard lives next to evaluate(); it used to be in data/samplers.py
+    from phalanx.evaluate import eval_shard
+except ImportError:  # pragma: no cover
+    from phalanx.data.samplers import eval_shard
+from phalanx.model import (build_causal_lm, build_classifier, count_parameters, tie_shared, transformer_blocks,
+                           unwrap, wrap)
+from phalanx.optim import WarmupCosine, build_optimizer
+
+VOCAB, BLOCK, EMBD = 64, 16, 32
+
+
+def tiny(arch: str = "gpt2", n_layer: int = 1) -> ModelConfig:
+    return ModelConfig(arch=arch, n_layer=n_layer, n_head=2, n_embd=EMBD, block_size=BLOCK)
+
+
+def cpu_info(rank: int = 0, world_size: int = 1) -> pdist.DistInfo:
+    return pdist.DistInfo(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
+                          node_rank=0, attempt=0, backend="gloo", device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def pg():
+    """A real one-process Gloo group, as a lone `phalanx train` worker makes it."""
+    saved_env, threads = dict(os.environ), torch.get_num_threads()
+    owned = not tdist.is_initialized()
+    try:
+        info = pdist.setup("gloo", timeout_s=60, threads=threads, tune_malloc=False)
+    finally:  # env:// is read only by init; RANK/WORLD_SIZE must not leak into later subprocess tests
+        os.environ.clear()
+        os.environ.update(saved_env)
+    assert (info.rank, info.world_size, info.backend) == (0, 1, "gloo") and tdist.is_initialized()
+    yield info
+    if owned:
+        pdist.teardown()
+    os.environ.clear()
+    os.environ.update(saved_env)
+    torch.set_num_threads(threads)
+
+
+# ---- optim ----------------------------------------------------------------------------------------
+def test_warmup_cosine_values_at_key_steps():
+    s = WarmupCosine(TrainConfig(lr=2.0, min_lr_ratio=0.1, warmup_steps=10, max_steps=110))
+    assert s.lr_at(0) == pytest.approx(0.2)        # (step + 1) / warmup: the first step already learns
+    assert s.lr_at(4) == pytest.approx(1.0)        # mid warm-up: linear
+    assert s.lr_at(9) == pytest.approx(2.0)        # last warm-up step reaches the peak
+    assert s.lr_at(10) == pytest.approx(2.0)       # cosine starts at the peak
+    assert s.lr_at(60) == pytest.approx(0.2 + 0.5 * 1.8)  # half-way through the decay
+    assert s.lr_at(110) == pytest.approx(0.2)      # end: lr * min_lr_ratio
+    assert s.lr_at(111) == s.lr_at(10_000) == pytest.approx(0.2)  # past the end: stays at the floor
+    warm = [s.lr_at(k) for k in range(10)]
+    decay = [s.lr_at(k) for k in range(10, 200)]
+    assert all(a < b for a, b in zip(warm, warm[1:]))
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+
+
+def test_warmup_cosine_without_warmup_and_zero_floor():
+    s = WarmupCosine(TrainConfig(lr=1e-3, min_lr_ratio=0.0, warmup_steps=0, max_steps=100))
+    assert s.lr_at(0) == pytest.approx(1e-3)
+    assert s.lr_at(50) == pytest.approx(5e-4)
+    assert s.lr_at(100) == pytest.approx(0.0, abs=1e-15) and s.lr_at(150) == pytest.approx(0.0, abs=1e-15)
+
+
+def test_schedule_apply_and_state_round_trip():
+    t = TrainConfig(lr=1e-2, min_lr_ratio=0.1, warmup_steps=5, max_steps=50)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    opt = build_optimizer(model, t)
+    s = WarmupCosine(t)
+    lr = s.apply(opt, 17)
+    assert lr == s.lr_at(17) and all(g["lr"] == lr for g in opt.param_groups)
+    state = json.loads(json.dumps(s.state_dict()))  # stored in meta.json
+    assert state == {"step": 17}
+    fresh = WarmupCosine(t)
+    fresh.load_state_dict(state)
+    assert fresh.step == 17 and fresh.state_dict() == s.state_dict()
+    assert fresh.lr_at(fresh.step) == lr
+
+
+def test_weight_decay_on_matrices_only():
+    t = TrainConfig(lr=1e-3, weight_decay=0.1, beta1=0.8, beta2=0.9)
+    model = build_causal_lm(tiny("gpt2"), VOCAB, 0)
+    opt = build_optimizer(model, t)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert decay["lr"] == no_decay["lr"] == 1e-3 and tuple(decay["betas"]) == (0.8, 0.9)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    plain = {names[id(p)] for p in no_decay["params"]}
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert not any(n.endswith(".bias") or ".ln_" in n for n in decayed)
+    assert {"transformer.h.0.ln_1.weight", "transformer.ln_f.weight", "transformer.h.0.attn.c_attn.bias"} <= plain
+    assert {"transformer.wte.weight", "transformer.h.0.mlp.c_fc.weight"} <= decayed
+    # every parameter exactly once (the tied lm_head / wte appears once, not in both groups)
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+
+
+def test_weight_decay_behaviour_and_frozen_parameters_excluded():
+    """With zero gradients AdamW moves only by decay: matrices shrink by (1 - lr*wd); vectors stay."""
+    t = TrainConfig(lr=0.5, weight_decay=0.1)
+    model = build_causal_lm(tiny("llama"), VOCAB, 0)
+    model.model.norm.weight.requires_grad_(False)
+    opt = build_optimizer(model, t)
+    assert all(p is not model.model.norm.weight for g in opt.param_groups for p in g["params"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        if p.dim() >= 2:
+            torch.testing.assert_close(p.detach(), before[n] * (1 - 0.5 * 0.1), msg=n)
+        else:  # RMSNorm weights (and the frozen one)
+            assert torch.equal(p.detach(), before[n]), n
+
+
+# ---- model ----------------------------------------------------------------------------------------
+def _gpt2_params(V, P, E, L):
+    block = 2 * E + (E * 3 * E + 3 * E) + (E * E + E) + 2 * E + (E * 4 * E + 4 * E) + (4 * E * E + E)
+    return V * E + P * E + L * block + 2 * E  # lm_head tied to wte: counted once
+
+
+def _llama_params(V, E, L):
+    return V * E + L * (4 * E * E + 3 * E * 4 * E + 2 * E) + E  # no biases, tied head
+
+
+@pytest.mark.parametrize("arch,n_layer", [("gpt2", 1), ("gpt2", 2), ("llama", 1), ("llama", 2)])
+def test_causal_lm_from_config(arch, n_layer):
+    model = build_causal_lm(tiny(arch, n_layer), VOCAB, eos_id=3)
+    cfg = model.config
+    assert cfg.vocab_size == VOCAB and cfg.eos_token_id == 3 and cfg.bos_token_id == 3
+    expected = _gpt2_params(VOCAB, BLOCK, EMBD, n_layer) if arch == "gpt2" else _llama_params(VOCAB, EMBD, n_layer)
+    assert count_parameters(model) == sum(p.numel() for p in model.parameters()) == expected
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied
+    assert len(transformer_blocks(model)) == n_layer
+    logits = model(input_ids=torch.randint(0, VOCAB, (2, BLOCK))).logits  # the full context length fits
+    assert logits.shape == (2, BLOCK, VOCAB)
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert"])
+def test_classifier_from_config(arch):
+    id2label = {0: "neg", 1: "neu", 2: "pos"}
+    max_length = 16
+    model = build_classifier(tiny(arch, 2), VOCAB, pad_id=0, max_length=max_length, id2label=id2label)
+    assert model.config.num_labels == 3 and model.config.id2label == id2label
+    assert model.config.label2id == {"neg": 0, "neu": 1, "pos": 2}
+    assert model.config.vocab_size == VOCAB and model.config.pad_token_id == 0
+    assert count_parameters(model) == sum(p.numel() for p in model.parameters()) > 0
+    assert len(transformer_blocks(model)) == 2
+    ids = torch.randint(1, VOCAB, (2, max_length))  # max_length tokens must fit the positions (roberta: +2)
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert logits.shape == (2, 3)
+
+
+def test_tie_shared_points_copies_at_one_tensor():
+    model = build_causal_lm(tiny("gpt2"), VOCAB, 0)
+    # a full state dict gathered from shards: a separate copy per name
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state.setdefault("lm_head.weight", state["transformer.wte.weight"].clone())
+    assert state["lm_head.weight"] is not state["transformer.wte.weight"]
+    others = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    out = tie_shared(state, model)
+    assert out is state
+    assert out["lm_head.weight"] is out["transformer.wte.weight"]
+    assert all(out[k] is v for k, v in others.items())  # nothing else touched
+    # the owner missing from the dict: left alone, no KeyError
+    partial = {"lm_head.weight": torch.zeros(VOCAB, EMBD)}
+    assert tie_shared(partial, model)["lm_head.weight"].abs().sum() == 0
+
+
+def test_tie_shared_leaves_untied_models_alone():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    before = dict(state)
+    assert tie_shared(state, model) == before and all(state[k] is before[k] for k in state)
+
+
+def test_wrap_is_identity_at_world_size_one_and_unwrap():
+    model = nn.Linear(2, 2)
+    for strategy in ("ddp", "fsdp"):
+        assert wrap(model, strategy, cpu_info(0, 1)) is model  # DESIGN pitfall 5: no wrapper
+    assert unwrap(model) is model
+    assert unwrap(nn.DataParallel(model)) is model  # anything holding `.module` (DDP) is unwrapped
+
+
+# ---- checkpoint -----------------------------------------------------------------------------------
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, BLOCK), generator=torch.Generator().manual_seed(seed))
+
+
+def _step(model, opt, seed: int) -> None:
+    x = _batch(seed)
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _trained(seed: int = 0, lr_step: int = 3):
+    torch.manual_seed(seed)
+    t = TrainConfig(lr=1e-2, warmup_steps=5, max_steps=20, weight_decay=0.1)
+    model = build_causal_lm(tiny("gpt2"), VOCAB, 0)
+    opt = build_optimizer(model, t)
+    sched = WarmupCosine(t)
+    sched.apply(opt, lr_step)
+    _step(model, opt, seed=100)
+    return model, opt, sched, t
+
+
+def _fresh(t: TrainConfig, seed: int = 99):
+    torch.manual_seed(seed)
+    model = build_causal_lm(tiny("gpt2"), VOCAB, 0)
+    return model, build_optimizer(model, t)
+
+
+def _norm_group(g: dict) -> dict:
+    return {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in g.items() if k != "params"}
+
+
+def _assert_same(model_a, opt_a, model_b, opt_b) -> None:
+    sa, sb = model_a.state_dict(), model_b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+    oa, ob = opt_a.state_dict(), opt_b.state_dict()
+    assert oa["state"].keys() == ob["state"].keys() and len(oa["state"]) == len(list(model_a.parameters()))
+    for i, st in oa["state"].items():
+        assert st.keys() == ob["state"][i].keys()
+        for name, v in st.items():
+            w = ob["state"][i][name]
+            assert torch.is_tensor(w) and v.dtype == w.dtype and torch.equal(v, w), (i, name)
+    assert [_norm_group(g) for g in oa["param_groups"]] == [_norm_group(g) for g in ob["param_groups"]]
+    assert [g["params"] for g in oa["param_groups"]] == [g["params"] for g in ob["param_groups"]]
+
+
+def test_save_then_load_is_bitwise_exact(pg, tmp_path):
+    model, opt, sched, t = _trained()
+    ckpt = Checkpointer(tmp_path, pg, keep=2)
+    path, seconds = ckpt.save(1, model, opt, {"schedule": sched.state_dict(), "train_state": {"step": 1}})
+    assert path == tmp_path / "checkpoints" / "step_000001" and seconds >= 0
+    assert (path / ".metadata").is_file() and (path / "rank_state" / "rank0.json").is_file()
+
+    model2, opt2 = _fresh(t)
+    assert not torch.equal(model2.transformer.wte.weight, model.transformer.wte.weight)
+    assert opt2.param_groups[0]["lr"] != opt.param_groups[0]["lr"]
+    meta, rank_state = ckpt.load(path, model2, opt2)
+    assert meta["step"] == 1 and meta["world_size"] == 1 and meta["schedule"] == {"step": 3}
+    assert meta["train_state"] == {"step": 1} and meta == read_meta(path)
+    assert rank_state is not None and set(rank_state) == {"rng"}
+    _assert_same(model, opt, model2, opt2)
+    # and the two continue identically
+    _step(model, opt, seed=7)
+    _step(model2, opt2, seed=7)
+    _assert_same(model, opt, model2, opt2)
+
+
+def test_latest_and_keep_checkpoints_prunes(pg, tmp_path):
+    model, opt, _, _ = _trained()
+    ckpt = Checkpointer(tmp_path, pg, keep=2)
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        ckpt.save(step, model, opt, {})
+        assert ckpt.latest() == latest_in(root) == root / f"step_{step:06d}"
+        assert json.loads((root / "latest").read_text()) == {"name": f"step_{step:06d}"}
+    assert ckpt.complete() == complete_in(root) == [root / "step_000002", root / "step_000003"]
+    assert not (root / "step_000001").exists()
+    Checkpointer(tmp_path, pg, keep=1).save(4, model, opt, {})
+    assert complete_in(root) == [root / "step_000004"]
+
+
+def test_torn_save_never_hides_the_last_good_checkpoint(pg, tmp_path):
+    model, opt, _, _ = _trained()
+    ckpt = Checkpointer(tmp_path, pg, keep=2)
+    root = tmp_path / "checkpoints"
+    ckpt.save(1, model, opt, {})
+
+    def die():
+        raise RuntimeError("killed while writing")
+
+    with pytest.raises(RuntimeError, match="killed while writing"):
+        ckpt.save(2, model, opt, {}, die)  # the hook that runs after this rank's shards are written
+    assert (root / ".tmp-step_000002").is_dir() and not (root / "step_000002").exists()
+    assert ckpt.latest() == latest_in(root) == root / "step_000001"
+    ckpt.save(3, model, opt, {})
+    assert not (root / ".tmp-step_000002").exists()  # stale temporary folders are cleaned up
+    assert ckpt.latest() == root / "step_000003"
+
+
+def _fake_ckpt(root: Path, name: str, complete: bool = True) -> Path:
+    p = root / name
+    p.mkdir(parents=True)
+    if complete:
+        (p / "meta.json").write_text(json.dumps({"step": 0}))
+    return p
+
+
+def test_latest_in_ignores_temporary_and_incomplete_folders(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert latest_in(root) is None and complete_in(root) == []
+    one, two = _fake_ckpt(root, "step_000001"), _fake_ckpt(root, "step_000002")
+    _fake_ckpt(root, ".tmp-step_000003")                  # torn write: even with its meta.json
+    _fake_ckpt(root, "step_000004", complete=False)       # no meta.json yet
+    assert complete_in(root) == [one, two]
+    assert latest_in(root) == two                         # no `latest` file: newest complete
+    (root / "latest").write_text(json.dumps({"name": "step_000004"}))
+    assert latest_in(root) == two                         # `latest` names an incomplete one
+    (root / "latest").write_text("{not json")
+    assert latest_in(root) == two                         # unreadable `latest`
+    (root / "latest").write_text(json.dumps({"name": "step_000001"}))
+    assert latest_in(root) == one                         # a complete named one wins (as documented)
+
+
+def test_latest_in_orders_steps_numerically_past_a_million(tmp_path):
+    root = tmp_path / "checkpoints"
+    _fake_ckpt(root, "step_999999")
+    newest = _fake_ckpt(root, "step_1000000")
+    assert latest_in(root) == newest
+    assert complete_in(root)[-1] == newest
+
+
+def test_pruning_past_a_million_steps_keeps_the_newest(pg, tmp_path):
+    model, opt, _, _ = _trained()
+    ckpt = Checkpointer(tmp_path, pg, keep=2)
+    for step in (999_998, 999_999, 1_000_000):
+        ckpt.save(step, model, opt, {})
+    root = tmp_path / "checkpoints"
+    assert (root / "step_1000000").is_dir()
+    assert ckpt.latest() == root / "step_1000000"
+
+
+def test_read_meta(tmp_path):
+    with pytest.raises(CheckpointError, match="no readable meta.json"):
+        read_meta(tmp_path)
+    (tmp_path / "meta.json").write_text("{torn")
+    with pytest.raises(CheckpointError, match="no readable meta.json"):
+        read_meta(tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 5, "config": {"a": 1}}))
+    assert read_meta(tmp_path) == {"step": 5, "config": {"a": 1}}
+
+
+class _Evil:
+    marker: Path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {_Evil.marker}",))
+
+
+def _evil_ckpt(tmp_path: Path) -> Path:
+    ckpt = tmp_path / "evil"
+    ckpt.mkdir()
+    _Evil.marker = tmp_path / "pwned"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    (ckpt / "meta.json").write_text(json.dumps({"step": 3, "config": {}}))
+    return ckpt
+
+
+def test_check_safe_refuses_a_malicious_pickle_without_running_it(tmp_path):
+    ckpt = _evil_ckpt(tmp_path)
+    with pytest.raises(CheckpointError, match="refusing to load") as e:
+        check_safe(ckpt)
+    assert "posix.system" in str(e.value) and str(ckpt) in str(e.value)
+    assert not _Evil.marker.exists()
+
+
+def test_load_checks_safety_before_dcp_reads_anything(pg, tmp_path):
+    ckpt = _evil_ckpt(tmp_path)
+    model, opt = _fresh(TrainConfig())
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        Checkpointer(tmp_path / "run", pg).load(ckpt, model, opt)
+    assert not _Evil.marker.exists()
+
+
+def test_check_safe_other_refusals_and_a_real_checkpoint(pg, tmp_path):
+    with pytest.raises(CheckpointError, match="no DCP .metadata"):
+        check_safe(tmp_path)
+    (tmp_path / ".metadata").write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match="unreadable metadata"):
+        check_safe(tmp_path)
+    # a DCP checkpoint holding a pickled (non-tensor) object
+    import torch.distributed.checkpoint as dcp
+    objs = tmp_path / "objects"
+    dcp.save({"w": torch.ones(3), "obj": "not a tensor"}, checkpoint_id=str(objs))
+    with pytest.raises(CheckpointError, match="'obj' is a pickled object"):
+        check_safe(objs)
+    # what Checkpointer writes passes
+    model, opt, _, _ = _trained()
+    path, _ = Checkpointer(tmp_path / "run", pg).save(2, model, opt, {})
+    check_safe(path)
+
+
+def test_check_safe_refuses_dotted_names_reaching_outside_checkpoint_metadata(tmp_path):
+    marker = tmp_path / "pwned"
+    ckpt = tmp_path / "evil"
+    ckpt.mkdir()
+
+    def short(s: bytes) -> bytes:  # SHORT_BINUNICODE
+        return b"\x8c" + bytes([len(s)]) + s
+    # PROTO 4; STACK_GLOBAL(dcp.filesystem, "os.mkdir"); (marker,); REDUCE; STOP: harmless, but code runs
+    payload = (b"\x80\x04" + short(b"torch.distributed.checkpoint.filesystem") + short(b"os.mkdir") + b"\x93"
+               + short(str(marker).encode()) + b"\x85" + b"R" + b".")
+    (ckpt / ".metadata").write_bytes(payload)
+    try:
+        with pytest.raises(CheckpointError, match="refusing to load"):
+            check_safe(ckpt)
+    finally:
+        ran = marker.exists()
+    assert not ran, "the checkpoint's metadata ran os.mkdir"
+
+
+def test_rng_state_round_trip_restores_every_stream():
+    state = json.loads(json.dumps(rng_state()))  # stored as JSON per rank
+    first = (torch.rand(8), torch.randn(3), random.random(), random.gauss(0, 1), np.random.rand(4))
+    torch.manual_seed(12345)
+    random.seed(1)
+    np.random.seed(2)
+    set_rng_state(state)
+    again = (torch.rand(8), torch.randn(3), random.random(), random.gauss(0, 1), np.random.rand(4))
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert first[2] == again[2] and first[3] == again[3]
+    assert np.array_equal(first[4], again[4])
+
+
+# ---- evaluate -------------------------------------------------------------------------------------
+class FakeTask:
+    """Like tasks/lm.py: collate -> batch dict, eval_sums -> per-batch sums, eval_metrics -> metrics."""
+
+    def __init__(self, drop_one: bool = False):
+        self.calls: list[list[int]] = []
+        self.seen_modes: list[tuple[bool, bool]] = []
+        self.drop_one = drop_one
+
+    def collate(self, dataset, indices):
+        self.calls.append([int(i) for i in indices])
+        return {"x": torch.tensor([dataset[i] for i in indices], dtype=torch.float64), "tag": "kept"}
+
+    def eval_sums(self, model, batch):
+        assert batch["tag"] == "kept"
+        self.seen_modes.append((model.training, torch.is_grad_enabled()))
+        return [float(batch["x"].sum()), float(batch["x"].numel())]
+
+    def eval_metrics(self, sums):
+        total, count = sums
+        return {"eval/sum": total, "eval/samples": int(count) - self.drop_one}
+
+
+def _dataset(n: int) -> list[int]:
+    return [i * i + 1 for i in range(n)]
+
+
+@pytest.mark.parametrize("n,micro", [(10, 3), (9, 3), (1, 4), (17, 1)])
+def test_evaluate_visits_every_sample_once(pg, n, micro):
+    task, data, model = FakeTask(), _dataset(n), nn.Linear(2, 2)
+    model.train()
+    metrics = evaluate(task, model, data, pg, micro)
+    assert metrics == {"eval/sum": float(sum(data)), "eval/samples": n}
+    flat = [i for c in task.calls for i in c]
+    assert flat == list(range(n))
+    assert len(task.calls) == math.ceil(n / micro) and all(len(c) <= micro for c in task.calls)
+    assert task.seen_modes == [(False, False)] * len(task.calls)  # eval mode, no autograd
+    assert model.training  # restored
+
+
+def test_evaluate_respects_max_samples_and_keeps_eval_mode(pg):
+    task, data, model = FakeTask(), _dataset(20), nn.Linear(2, 2)
+    model.eval()
+    metrics = evaluate(task, model, data, pg, micro_batch_size=4, max_samples=7)
+    assert [i for c in task.calls for i in c] == list(range(7))
+    assert metrics == {"eval/sum": float(sum(data[:7])), "eval/samples": 7}
+    assert not model.training  # was eval: stays eval
+    assert evaluate(FakeTask(), model, data, pg, 4, max_samples=50)["eval/samples"] == 20  # capped at len
+    assert evaluate(FakeTask(), model, [], pg, 4) == {}
+
+
+def test_evaluate_checks_the_sample_count(pg):
+    with pytest.raises(RuntimeError, match="saw 4 samples, expected 5"):
+        evaluate(FakeTask(drop_one=True), nn.Linear(2, 2), _dataset(5), pg, 2)
+
+
+@pytest.mark.parametrize("n,world,micro", [(10, 3, 2), (2, 3, 4), (7, 4, 1), (9, 2, 5)])
+def test_evaluate_sharded_over_simulated_ranks(monkeypatch, n, world, micro):
+    """Ranks as threads with an all-reduce that really sums across them: every sample on exactly one
+    rank, every rank the same number of forward passes (a rank with nothing left runs a throw-away
+    batch), and every rank gets the global metrics."""
+    sync = threading.Barrier(world)
+    posted: dict[int, list[float]] = {}
+
+    def all_reduce(values, info, op="sum"):
+        posted[info.rank] = list(values)
+        sync.wait(timeout=20)
+        return [sum(posted[r][k] for r in range(world)) for k in range(len(values))]
+
+    monkeypatch.setattr(pdist, "all_reduce", all_reduce)
+    data = _dataset(n)
+    tasks = [FakeTask() for _ in range(world)]
+    results: dict[int, object] = {}
+
+    def rank_main(r):
+        try:
+            results[r] = evaluate(tasks[r], nn.Linear(2, 2), data, cpu_info(r, world), micro)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            results[r] = e
+            sync.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    expected = {"eval/sum": float(sum(data)), "eval/samples": n}
+    assert all(results[r] == expected for r in range(world)), results
+    rounds = math.ceil(math.ceil(n / world) / micro)
+    covered = []
+    for r in range(world):
+        shard = list(eval_shard(n, r, world))
+        real = math.ceil(len(shard) / micro)
+        calls = tasks[r].calls
+        assert len(calls) == rounds  # same number of forwards on every rank
+        assert [i for c in calls[:real] for i in c] == shard
+        assert calls[real:] == [[0]] * (rounds - real)  # throw-away batches, not counted
+        covered += shard
+    assert covered == list(range(n))
+
+
+@pytest.mark.parametrize("n,world", [(0, 1), (0, 3), (1, 1), (1, 4), (2, 3), (5, 8), (7, 7), (10, 3),
+                                     (100, 7), (872, 3), (1001, 16)])
+def test_eval_shard_partitions_exactly(n, world):
+    shards = [eval_shard(n, r, world) for r in range(world)]
+    assert [i for s in shards for i in s] == list(range(n))  # contiguous, in rank order, each once
+    assert all(s.step == 1 for s in shards)
+    sizes = [len(s) for s in shards]
+    assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
+    assert max(sizes) == math.ceil(n / world)

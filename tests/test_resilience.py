@@ -201,3 +201,20 @@ def test_fresh_moves_the_old_run_aside(tmp_path, small_text, cache_dir):
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
     assert len(aside) == 1 and (aside[0] / "keep.txt").read_text() == "old"
     assert (run / "final").is_dir()
+
+
+def test_a_checkpoint_from_31751d5_still_resumes(tmp_path, cache_dir):
+    """A checkpoint written before TrainState, the token store and the layer folders (tests/fixtures/
+    ckpt-31751d5/SOURCE.md) resumes on one process: its data paths were absolute on the machine that
+    wrote it, hence --force-resume; everything else matches."""
+    fixture = REPO / "tests" / "fixtures" / "ckpt-31751d5"
+    run = tmp_path / "run"
+    proc = phalanx("train", f"data.train={SHAKESPEARE}", f"data.validation={SHAKESPEARE.parents[1] / 'wikitext2' / 'validation.txt'}",
+                   f"data.cache_dir={cache_dir}", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
+                   "model.block_size=32", "data.vocab_size=256", "train.micro_batch_size=4", "train.global_batch_size=8",
+                   "train.max_steps=6", "train.eval_max_samples=8", "train.eval_every=0", "train.warmup_steps=1", "train.log_every=1",
+                   "log.progress=lines", "--run-dir", run, "--resume", fixture, "--force-resume", check=True, timeout=120)
+    assert f"resumed from {fixture} at step 4 (saved by world size 2; global sample offset 32" in proc.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["samples_seen"] == 48 and summary["resumed_from_step"] == 4
+    assert sorted(train_losses(run)) == [5, 6]

@@ -88,13 +88,15 @@ def prepare_lm(cfg: Config, workers: int = 0, progress: bool = True, say=None) -
             summaries[split] = {**store.read_index(folder)["summary"], "reused": True}
             continue
         folder.mkdir(parents=True, exist_ok=True)
-        summaries[split] = build_store(cfg, folder, spec, key, split, identity, tok_dir, workers, progress, say)
+        summaries[split] = build_store(cfg, (spec, key, split), folder, tok_dir, (workers, progress, say))
     return summaries
 
 
-def build_store(cfg: Config, folder: Path, spec: str, key: str, split: str, identity: list, tok_dir: Path,
-                workers: int, progress: bool, say) -> dict:
+def build_store(cfg: Config, source: tuple[str, str, str], folder: Path, tok_dir: Path, how: tuple) -> dict:
+    """Encode one split (`source` = spec, config key, split) into `folder`; `how` = (workers, progress, say)."""
+    (spec, key, split), (workers, progress, say) = source, how
     d, t0 = cfg.data, time.perf_counter()
+    identity = source_identity(spec, d.format, key)
     vocab, eos = toks.backend(tok_dir).get_vocab_size(with_added_tokens=True), toks.special_id(tok_dir, "eos_token")
     total = pieces.plan_size(spec, key)
     if 0 < total <= SMALL:  # nothing to gain from a faster encoder; skip its check

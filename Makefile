@@ -31,7 +31,7 @@ bench: setup         ## foundation benchmark: phalanx vs a plain DDP loop
 	$(BIN)/python bench/vs_plain_ddp.py
 
 docs: setup         ## regenerate the README's config table from the schema
-	$(BIN)/python -c "import re,pathlib; from phalanx.config import describe_markdown as d; p=pathlib.Path('README.md'); s=p.read_text(); p.write_text(re.sub(r'(<!-- CONFIG-KEYS -->\n).*?(<!-- /CONFIG-KEYS -->)', lambda m: m.group(1)+chr(10).join(d())+chr(10)+m.group(2), s, flags=re.S))"
+	$(BIN)/python -c "import re,pathlib; from phalanx.core.config import describe_markdown as d; p=pathlib.Path('README.md'); s=p.read_text(); p.write_text(re.sub(r'(<!-- CONFIG-KEYS -->\n).*?(<!-- /CONFIG-KEYS -->)', lambda m: m.group(1)+chr(10).join(d())+chr(10)+m.group(2), s, flags=re.S))"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

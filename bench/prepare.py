@@ -145,7 +145,7 @@ class TreeWatch:
     def rank_peaks(self) -> dict[int, int]:
         out: dict[int, int] = {}
         for rec in self.procs.values():
-            if rec["rank"] is not None and "phalanx.worker" in rec["cmd"]:
+            if rec["rank"] is not None and "phalanx.run.worker" in rec["cmd"]:
                 out[int(rec["rank"])] = max(out.get(int(rec["rank"]), 0), rec["peak"])
         return dict(sorted(out.items()))
 

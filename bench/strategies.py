@@ -29,9 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
-
-from phalanx import host
 from pathlib import Path
+
+from phalanx.core import host
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"  # --data; built-in corpus if absent
@@ -75,7 +75,7 @@ def run_case(work: Path, cache: Path, name: str, nproc: int, steps: int, warmup:
         extra = [*extra, f"dist.threads_per_worker={threads}"]
     cmds = [phalanx_cmd(run, cache, nproc * launchers, steps, extra)]
     if launchers > 1:  # one launcher per "node": --nproc-per-node nproc each, c10d on localhost
-        from phalanx.dist import free_port
+        from phalanx.core.dist import free_port
 
         port = free_port()
         base = phalanx_cmd(run, cache, nproc, steps, extra)
@@ -98,7 +98,7 @@ def gpu_peak_tflops(dtype_16bit: bool) -> float:
 
     name = torch.cuda.get_device_name()
     try:
-        from phalanx.telemetry import GPU_PEAK_TFLOPS as table
+        from phalanx.run.telemetry import GPU_PEAK_TFLOPS as table
     except ImportError:
         table = PEAK_TFLOPS
     for pattern, half, single in table:

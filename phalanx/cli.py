@@ -6,16 +6,16 @@ import importlib
 import sys
 from pathlib import Path
 
-from .config import ConfigError
-from .runfolder import EXIT_BAD_INPUT
+from phalanx.core.config import ConfigError
+from phalanx.core.runfolder import EXIT_BAD_INPUT
 
 # Subcommands implemented in their own modules: each has add_arguments(parser) and run(args) -> int.
 # Only the chosen one is imported, so e.g. `phalanx report` never pays for (or needs) torch.
-EXTRA_COMMANDS = {"report": ("phalanx.report", "plots and a Markdown summary of one or more runs"),
-                  "bench": ("phalanx.bench", "scaling study: the same config at several world sizes"),
-                  "doctor": ("phalanx.doctor", "pre-flight checks of the distributed set-up"),
-                  "predict": ("phalanx.predict", "predict labels with a trained classifier (RUN/final)"),
-                  "generate": ("phalanx.generate", "sample text from a trained language model (RUN/final)")}
+EXTRA_COMMANDS = {"report": ("phalanx.tools.report", "plots and a Markdown summary of one or more runs"),
+                  "bench": ("phalanx.tools.bench", "scaling study: the same config at several world sizes"),
+                  "doctor": ("phalanx.tools.doctor", "pre-flight checks of the distributed set-up"),
+                  "predict": ("phalanx.tools.predict", "predict labels with a trained classifier (RUN/final)"),
+                  "generate": ("phalanx.tools.generate", "sample text from a trained language model (RUN/final)")}
 
 
 def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
@@ -44,9 +44,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args) -> int:
-    from . import dist
-    from .config import load_config
-    from .launch import launch, run_as_worker
+    from phalanx.core import dist
+    from phalanx.core.config import load_config
+    from phalanx.tools.launch import launch, run_as_worker
 
     config, overrides = _split_config_and_overrides(args.items)
     if args.run_dir:
@@ -69,8 +69,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from .config import load_config  # lazy, like every command's modules: only the chosen one loads
-    from .tasks import prepare_data
+    from phalanx.core.config import (
+        load_config,  # lazy, like every command's modules: only the chosen one loads
+    )
+    from phalanx.tasks import prepare_data
 
     if args.workers < 0:
         raise ConfigError(f"--workers: expected >= 0, got {args.workers}")
@@ -87,7 +89,7 @@ def cmd_prepare(args) -> int:
 def cmd_config(args) -> int:
     import yaml
 
-    from .config import describe, describe_markdown, load_config, to_dict
+    from phalanx.core.config import describe, describe_markdown, load_config, to_dict
 
     if args.show:
         print("\n".join(describe_markdown() if args.markdown else describe()).lstrip())

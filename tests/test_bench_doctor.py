@@ -5,7 +5,7 @@ import json
 
 from conftest import SHAKESPEARE, TINY_LM, phalanx
 
-from phalanx.host import cores
+from phalanx.core.host import cores
 
 
 def test_bench_writes_table_and_plot(tmp_path, cache_dir):

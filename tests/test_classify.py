@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from conftest import REPO, SST2, metrics, phalanx, train_losses
-from phalanx.config import ConfigError, load_config
+
+from phalanx.core.config import ConfigError, load_config
 from phalanx.data import labelled
 from phalanx.tasks.classify import ClassifyTask, classification_metrics
 

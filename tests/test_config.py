@@ -4,9 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, SHAKESPEARE, phalanx
-from phalanx.config import ConfigError, check_world, load_config
+
+from phalanx.core.config import ConfigError, check_world, load_config
 
 
 def test_overrides_and_types():

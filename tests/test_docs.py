@@ -4,7 +4,8 @@ from __future__ import annotations
 import re
 
 from conftest import REPO
-from phalanx.config import describe_markdown
+
+from phalanx.core.config import describe_markdown
 
 
 def readme() -> str:

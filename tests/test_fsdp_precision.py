@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import REFERENCE, final_params, lm_args, metrics, phalanx, train_losses
 
 # Tolerance for FSDP vs DDP. With 2 ranks both reduce a gradient as a + b (commutative: bit-identical
@@ -137,8 +136,8 @@ def test_scaler_state_round_trips_through_json():
 
 
 def test_precision_choices_follow_the_hardware(monkeypatch):
-    from phalanx import precision
-    from phalanx.config import ConfigError
+    from phalanx.core.config import ConfigError
+    from phalanx.model import precision
 
     caps = {"avx512_bf16": True, "amx_bf16": False, "avx512_fp16": False, "amx_fp16": False}
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
@@ -162,8 +161,8 @@ def test_precision_choices_follow_the_hardware(monkeypatch):
 
 
 def test_compile_without_a_compiler_fails_before_start(monkeypatch, tmp_path, cache_dir):
-    from phalanx import precision
-    from phalanx.config import ConfigError
+    from phalanx.core.config import ConfigError
+    from phalanx.model import precision
 
     monkeypatch.setattr(precision.shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match="train.compile"):
@@ -186,8 +185,8 @@ def test_compile_runs_and_saves_an_uncompiled_model(tmp_path, cache_dir):
 
 
 def test_nccl_settings_come_from_the_config():
-    from phalanx import dist
-    from phalanx.config import ConfigError, load_config
+    from phalanx.core import dist
+    from phalanx.core.config import ConfigError, load_config
 
     cfg = load_config(None, ["dist.nccl_async_error_handling=1", "dist.nccl_debug=WARN",
                              "dist.nccl_socket_ifname=eth0", "dist.nccl_timeout_s=120"])

@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import final_params, lm_args, metrics, phalanx, train_losses
 
 

@@ -12,7 +12,7 @@ import pytest
 # keep_freed_memory(), which must make the blocks reused.
 PROBE = """
 import ctypes, resource, sys, torch
-from phalanx.dist import keep_freed_memory
+from phalanx.core.dist import keep_freed_memory
 ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: glibc's initial value, held fixed
 if sys.argv[1] == "on":
     assert keep_freed_memory()

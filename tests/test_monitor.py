@@ -8,7 +8,6 @@ import sys
 import types
 
 import pytest
-
 from conftest import lm_args, metrics, phalanx
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
@@ -96,7 +95,7 @@ def test_tensorboard_gets_every_ranks_metrics(even_run):
 
 # ---- units: no processes ------------------------------------------------------------------------
 def test_straggler_detector_needs_consistent_slowness():
-    from phalanx.stragglers import StragglerDetector
+    from phalanx.run.stragglers import StragglerDetector
 
     det = StragglerDetector(margin=0.2, windows=3)
     assert det.update(1, [1.0, 9.0]) == []  # the first window (warm-up) is skipped
@@ -109,7 +108,7 @@ def test_straggler_detector_needs_consistent_slowness():
 
 
 def test_slow_fault_fires_every_step_from_its_step():
-    from phalanx.faults import parse_fault
+    from phalanx.core.faults import parse_fault
 
     fault = parse_fault("slow:rank=1:step=3:seconds=0.05")
     assert fault.seconds == 0.05
@@ -118,7 +117,7 @@ def test_slow_fault_fires_every_step_from_its_step():
 
 
 def test_comm_timer_merges_overlapping_all_reduces():
-    from phalanx.telemetry import CommTimer
+    from phalanx.run.telemetry import CommTimer
 
     timer = CommTimer(world_size=2)
     timer.spans = [(1.0, 1.5), (1.2, 1.7), (2.0, 2.1)]
@@ -128,8 +127,8 @@ def test_comm_timer_merges_overlapping_all_reduces():
 
 
 def test_optional_sinks_share_one_interface(tmp_path, monkeypatch):
-    from phalanx.config import LogConfig
-    from phalanx.sinks import JsonlSink, MlflowSink, WandbSink, open_sinks
+    from phalanx.core.config import LogConfig
+    from phalanx.run.sinks import JsonlSink, MlflowSink, WandbSink, open_sinks
 
     calls = []
     run = types.SimpleNamespace(log=lambda d, step: calls.append(("wandb", step, d)), finish=lambda: None)
@@ -156,7 +155,7 @@ def test_optional_sinks_share_one_interface(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
 def test_missing_sink_package_is_a_config_error():
-    from phalanx.config import ConfigError, load_config
+    from phalanx.core.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="log.wandb_project.*wandb package is not installed"):
         load_config(None, ["log.wandb_project=demo"])

@@ -13,14 +13,22 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
-from conftest import REFERENCE, REPO, SHAKESPEARE, final_params, lm_args, metrics, phalanx, train_losses
+from conftest import (
+    REFERENCE,
+    REPO,
+    SHAKESPEARE,
+    final_params,
+    lm_args,
+    metrics,
+    phalanx,
+    train_losses,
+)
 
 EXAMPLES = REPO / "examples"
 
 
 def _free_port() -> int:
-    from phalanx.dist import free_port
+    from phalanx.core.dist import free_port
 
     return free_port()
 
@@ -91,9 +99,9 @@ def test_multinode_flags_are_checked_before_any_worker(tmp_path, cache_dir):
 def test_nnodes_range_passes_through_to_the_elastic_launcher():
     import torch.distributed.run as trun
 
-    from phalanx.launch import torchrun_args
+    from phalanx.tools.launch import torchrun_args
 
-    argv = torchrun_args(["phalanx.worker", "c.yaml"], 2, "1:4", "head:29500", "job7", 3)
+    argv = torchrun_args(["phalanx.run.worker", "c.yaml"], 2, "1:4", "head:29500", "job7", 3)
     args = trun.get_args_parser().parse_args(argv)
     assert (args.nnodes, args.nproc_per_node, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id,
             args.max_restarts) == ("1:4", "2", "c10d", "head:29500", "job7", 3)
@@ -120,7 +128,7 @@ def test_nodes_sharing_a_cache_folder_both_finish(tmp_path):
 
 # ---- Slurm: srun's variables around a real 2-process Gloo run -----------------------------------
 def test_slurm_env_maps_ranks():
-    from phalanx import dist
+    from phalanx.core import dist
 
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "1",
            "SLURM_NODEID": "2", "SLURM_NNODES": "4", "SLURM_NTASKS_PER_NODE": "2(x4)", "SLURM_JOB_ID": "777",
@@ -168,8 +176,8 @@ def _expand(command: str, assignments: list[str], env: dict[str, str]) -> list[s
 def check_train_command(argv: list[str], tmp_path: Path):
     """What `phalanx train` would check before starting workers, with the data path mapped here."""
     from phalanx.cli import _split_config_and_overrides, build_parser
-    from phalanx.config import load_config
-    from phalanx.launch import check_multinode, preflight
+    from phalanx.core.config import load_config
+    from phalanx.tools.launch import check_multinode, preflight
 
     assert argv[:2] == ["phalanx", "train"], argv
     args, rest = build_parser().parse_known_args(argv[1:])

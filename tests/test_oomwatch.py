@@ -6,9 +6,15 @@ import subprocess
 import sys
 import time
 
-from phalanx import oomwatch
-from phalanx.launch import FailureReporter, failure_line
-from phalanx.oomwatch import GB, MemoryWatch, counter_sources, read_counters, read_oom_kills
+from phalanx.tools import oomwatch
+from phalanx.tools.launch import FailureReporter, failure_line
+from phalanx.tools.oomwatch import (
+    GB,
+    MemoryWatch,
+    counter_sources,
+    read_counters,
+    read_oom_kills,
+)
 
 CGROUP2_EVENTS = "low 0\nhigh 0\nmax {n}\noom {n}\noom_kill {n}\noom_group_kill 0\n"
 CGROUP1_OOM_CONTROL = "oom_kill_disable 0\nunder_oom 0\noom_kill {n}\n"

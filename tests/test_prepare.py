@@ -12,11 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO, SHAKESPEARE, phalanx
 from tokenizers import Tokenizer
 
-from conftest import REPO, SHAKESPEARE, phalanx
-from phalanx.config import load_config
-from phalanx.data import lm_store, pieces, store, tokenizer as toks
+from phalanx.core.config import load_config
+from phalanx.data import lm_store, pieces, store
+from phalanx.data import tokenizer as toks
 from phalanx.data.samplers import GlobalBatchSampler
 from phalanx.tasks.lm import blocks
 
@@ -197,7 +198,7 @@ def test_hub_dataset_code_path_streams_a_local_dataset_folder(tmp_path):
 
 PEAK = """
 import subprocess, sys, time
-from phalanx.oomwatch import MemoryWatch
+from phalanx.tools.oomwatch import MemoryWatch
 watch = MemoryWatch(sources=[]).start()
 subprocess.run([sys.executable, "-m", "phalanx", *sys.argv[1:]], check=True, capture_output=True)
 watch.stop()

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, lm_args, phalanx
 
 PLOTS = ("loss", "throughput", "memory", "step_time_split", "rank_step_time")
@@ -70,7 +69,7 @@ def test_report_overlays_several_runs(finished, torn, tmp_path):
 
 
 def test_report_needs_no_torch(finished):
-    code = ("import sys, argparse; import phalanx.report as r; p = argparse.ArgumentParser(); "
+    code = ("import sys, argparse; import phalanx.tools.report as r; p = argparse.ArgumentParser(); "
             "r.add_arguments(p); assert r.run(p.parse_args([sys.argv[1]])) == 0; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
             "assert not bad, bad")

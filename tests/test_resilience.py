@@ -17,8 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import REPO, SHAKESPEARE, TINY_LM, final_params, metrics, phalanx, train_losses
+from conftest import (
+    REPO,
+    SHAKESPEARE,
+    TINY_LM,
+    final_params,
+    metrics,
+    phalanx,
+    train_losses,
+)
 
 STEPS = 12
 # global batch 24 = micro 4 x world {1,2,3} x accum {6,3,2}: every world size of these tests divides it

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from phalanx.data.samplers import GlobalBatchSampler, length_grouped_order
-from phalanx.evaluate import eval_shard
+from phalanx.run.evaluate import eval_shard
 
 
 def epoch_assignments(n, global_bs, micro, world, seed, epoch, order=None):

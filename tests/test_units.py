@@ -2,7 +2,7 @@
 
 The end-to-end tests run these modules inside real multi-process launches; here each behaviour is pinned
 down directly on tiny models, so a regression names the function that broke. Checkpoint and evaluation
-tests use a real single-process Gloo group made by `phalanx.dist.setup` (module-scoped, torn down and the
+tests use a real single-process Gloo group made by `phalanx.core.dist.setup` (module-scoped, torn down and the
 environment restored afterwards).
 """
 from __future__ import annotations
@@ -16,24 +16,39 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import phalanx.core.dist as pdist
 import pytest
 import torch
 import torch.distributed as tdist
 from torch import nn
 
-import phalanx.dist as pdist
-from phalanx.checkpoint import (CheckpointError, Checkpointer, check_safe, complete_in, latest_in, read_meta,
-                                rng_state, set_rng_state)
-from phalanx.config import ModelConfig, TrainConfig
-from phalanx.evaluate import evaluate
+from phalanx.core.config import ModelConfig, TrainConfig
+from phalanx.run.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    check_safe,
+    complete_in,
+    latest_in,
+    read_meta,
+    rng_state,
+    set_rng_state,
+)
+from phalanx.run.evaluate import evaluate
 
 try:  # eval_shard lives next to evaluate(); it used to be in data/samplers.py
-    from phalanx.evaluate import eval_shard
+    from phalanx.run.evaluate import eval_shard
 except ImportError:  # pragma: no cover
     from phalanx.data.samplers import eval_shard
-from phalanx.model import (build_causal_lm, build_classifier, count_parameters, tie_shared, transformer_blocks,
-                           unwrap, wrap)
-from phalanx.optim import WarmupCosine, build_optimizer
+from phalanx.model.build import (
+    build_causal_lm,
+    build_classifier,
+    count_parameters,
+    tie_shared,
+    transformer_blocks,
+    unwrap,
+    wrap,
+)
+from phalanx.model.optim import WarmupCosine, build_optimizer
 
 VOCAB, BLOCK, EMBD = 64, 16, 32
 

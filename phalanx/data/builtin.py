@@ -7,8 +7,8 @@ the corpus is deterministic for a given Python installation.
 from __future__ import annotations
 
 import ast
-from functools import lru_cache
 import sysconfig
+from functools import lru_cache
 from pathlib import Path
 
 MAX_CHARS = 3_000_000

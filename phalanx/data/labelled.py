@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ConfigError
-from . import pieces, sources
+from phalanx.core.config import ConfigError
+from phalanx.data import pieces, sources
 
 
 @dataclass

@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..config import Config, ConfigError
-from . import cache, pieces, prepare, store, tokenizer as toks
-from .labelled import EncodedSet, class_lookup, label_names
-from ..runfolder import write_json
-from .prepare import report, source_identity, splits
+from phalanx.core.config import Config, ConfigError
+from phalanx.core.runfolder import write_json
+from phalanx.data import cache, pieces, prepare, store
+from phalanx.data import tokenizer as toks
+from phalanx.data.labelled import EncodedSet, class_lookup, label_names
+from phalanx.data.prepare import report, source_identity, splits
 
 VERSION = "classify-store-v1"
 

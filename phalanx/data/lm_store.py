@@ -14,11 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import host
-from ..config import Config, ConfigError
-from . import cache, encoder, pieces, prepare, store, tokenizer as toks
-from ..runfolder import write_json
-from .prepare import report, source_identity, splits
+from phalanx.core import host
+from phalanx.core.config import Config, ConfigError
+from phalanx.core.runfolder import write_json
+from phalanx.data import cache, encoder, pieces, prepare, store
+from phalanx.data import tokenizer as toks
+from phalanx.data.prepare import report, source_identity, splits
 
 VERSION = "lm-store-v1"
 SMALL = 8 << 20  # inputs up to this size are encoded by `tokenizers` directly

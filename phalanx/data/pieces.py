@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from ..config import ConfigError
-from . import builtin
-from .sources import files_of, format_of
+from phalanx.core.config import ConfigError
+from phalanx.data import builtin
+from phalanx.data.sources import files_of, format_of
 
 WINDOW = 1 << 16
 Fields = tuple  # ((name, 'text' | 'label'), ...): what each row must hold

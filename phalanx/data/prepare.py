@@ -26,10 +26,12 @@ from typing import Callable
 import psutil
 from tqdm import tqdm
 
-from .. import host
-from ..config import Config, ConfigError
-from . import cache, pieces, store, tokenizer as toks
-from .sources import files_of, format_of
+from phalanx.core import host
+from phalanx.core.config import Config, ConfigError
+from phalanx.data import cache, pieces, store
+from phalanx.data import tokenizer as toks
+from phalanx.data.sources import files_of, format_of
+
 
 def source_identity(spec: str, fmt: str, key: str) -> list:
     """What the data is, cheaply: every file's path, size and mtime; a hub name; the Python version."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import ConfigError
+from phalanx.core.config import ConfigError
 
 EXTENSIONS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".json": "jsonl",
               ".csv": "csv", ".parquet": "parquet"}

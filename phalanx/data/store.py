@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runfolder import write_json
+from phalanx.core.runfolder import write_json
 
 INDEX = "index.json"
 VERSION = 1

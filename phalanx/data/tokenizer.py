@@ -12,9 +12,17 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
-from ..config import hub_name
+from phalanx.core.config import hub_name
 
 EOS = "<|endoftext|>"
 WORDPIECE_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -59,14 +67,16 @@ def save_trained(tok, kind: str, folder: Path) -> None:
 
 
 def load_pretrained(spec: str):
-    from transformers import AutoTokenizer  # lazy: transformers costs ~2 s, preparation never needs it
+    from transformers import (
+        AutoTokenizer,  # lazy: transformers costs ~2 s, preparation never needs it
+    )
 
     return AutoTokenizer.from_pretrained(hub_name(spec))
 
 
 def load_saved(folder: str | Path):
     """The cached tokenizer as a transformers tokenizer (workers, export)."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # lazy: ~2 s; preparation in the launcher never needs it
 
     folder = Path(folder)
     if (folder / SPECIALS_FILE).is_file():

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import sys
 
-from ..config import Config
-from .base import Task
+from phalanx.core.config import Config
+from phalanx.tasks.base import Task
 
 
 def get_task(name: str) -> type[Task]:
     if name == "lm":
-        from .lm import LMTask  # lazy: only the chosen task's module is imported
+        from phalanx.tasks.lm import (
+            LMTask,  # lazy: only the chosen task's module is imported
+        )
         return LMTask
     if name == "classify":
-        from .classify import ClassifyTask
+        from phalanx.tasks.classify import ClassifyTask
         return ClassifyTask
     raise ValueError(f"unknown task {name!r}")
 

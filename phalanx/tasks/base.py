@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config import Config, ConfigError
+from phalanx.core.config import Config, ConfigError
 
 
 class Task(Protocol):

@@ -10,11 +10,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import Config, ConfigError, hub_name
-from ..data import labelled, labelled_store, prepare, tokenizer as toks
-from ..data.samplers import length_grouped_order
-from ..model import build_classifier
-from .base import TaskBase
+from phalanx.core.config import Config, ConfigError, hub_name
+from phalanx.data import labelled, labelled_store, prepare
+from phalanx.data import tokenizer as toks
+from phalanx.data.samplers import length_grouped_order
+from phalanx.model.build import build_classifier
+from phalanx.tasks.base import TaskBase
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 

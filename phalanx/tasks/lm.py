@@ -7,10 +7,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import Config, ConfigError
-from ..data import lm_store, prepare, store, tokenizer as toks
-from ..model import build_causal_lm
-from .base import TaskBase
+from phalanx.core.config import Config, ConfigError
+from phalanx.data import lm_store, prepare, store
+from phalanx.data import tokenizer as toks
+from phalanx.model.build import build_causal_lm
+from phalanx.tasks.base import TaskBase
 
 IGNORE = -100
 

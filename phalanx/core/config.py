@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError  # noqa: F401  (re-exported: `from phalanx.config import ConfigError`)
-from .faults import parse_fault
-from .runfolder import write_text
+from phalanx.core.errors import ConfigError  # noqa: F401  (re-exported: `from phalanx.config import ConfigError`)
+from phalanx.core.faults import parse_fault
+from phalanx.core.runfolder import write_text
 
 
 class _Loader(yaml.SafeLoader):

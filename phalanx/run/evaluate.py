@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from . import dist
+from phalanx.core import dist
 
 
 def eval_shard(n: int, rank: int, world_size: int) -> range:

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel
 
-from . import dist
-from .stragglers import StragglerDetector
+from phalanx.core import dist
+from phalanx.run.stragglers import StragglerDetector
 
 MB = 2 ** 20
 # Sums over a log window, per rank. loss: this rank's summed loss; targets/global_tokens/useful: the

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from . import host
+from phalanx.core import host
 
 
 @dataclass(frozen=True)

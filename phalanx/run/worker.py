@@ -1,13 +1,13 @@
-"""Entry point of one worker process: `python -m phalanx.worker RUN/config.yaml` (started by torchrun)."""
+"""Entry point of one worker process: `python -m phalanx.run.worker RUN/config.yaml` (started by torchrun)."""
 from __future__ import annotations
 
 import os
 import sys
 import traceback
 
-from .config import load_config
-from .state import StopTraining
-from .train import train
+from phalanx.core.config import load_config
+from phalanx.run.state import StopTraining
+from phalanx.run.train import train
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import shutil
 
 import torch
 
-from .config import ConfigError
+from phalanx.core.config import ConfigError
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -83,7 +83,7 @@ def check_compile(device_type: str) -> None:
     """torch.compile's CPU backend (inductor) generates C++: fail before start-up without a compiler."""
     if device_type != "cpu":
         return
-    from torch._inductor import config as inductor_config
+    from torch._inductor import config as inductor_config  # lazy: inductor loads only with train.compile
 
     configured = inductor_config.cpp.cxx  # e.g. (None, "g++"), honouring $CXX
     names = [c for c in (configured if isinstance(configured, tuple) else (configured,)) if c]

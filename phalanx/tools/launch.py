@@ -20,14 +20,29 @@ import torch.distributed.run as trun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from . import dist, precision
-from .checkpoint import CheckpointError, check_safe, latest_in, read_meta
-from .config import Config, ConfigError, check_world, load_config, relevant_subset, save_yaml
-from .oomwatch import MemoryWatch
-from .runfolder import EXIT_FAILED, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED, RunFolder, read_json
-from .tasks import get_task, prepare_data
-from .train import train
-from .watchdog import summarize
+from phalanx.core import dist
+from phalanx.core.config import (
+    Config,
+    ConfigError,
+    check_world,
+    load_config,
+    relevant_subset,
+    save_yaml,
+)
+from phalanx.core.runfolder import (
+    EXIT_FAILED,
+    EXIT_HANG,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    RunFolder,
+    read_json,
+)
+from phalanx.model import precision
+from phalanx.run.checkpoint import CheckpointError, check_safe, latest_in, read_meta
+from phalanx.run.train import train
+from phalanx.run.watchdog import summarize
+from phalanx.tasks import get_task, prepare_data
+from phalanx.tools.oomwatch import MemoryWatch
 
 
 def parse_nnodes(nnodes: str) -> tuple[int, int]:
@@ -135,7 +150,7 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     RunFolder(run_dir).clear_outcome()
 
     try:
-        failure = run_workers(["phalanx.worker", str(config_path)], nproc_per_node, cfg.dist.threads_per_worker,
+        failure = run_workers(["phalanx.run.worker", str(config_path)], nproc_per_node, cfg.dist.threads_per_worker,
                               nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts)
     finally:
         if config_path.parent != run_dir:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .config import ModelConfig, hub_name
+from phalanx.core.config import ModelConfig, hub_name
 
 
 def quiet_transformers() -> None:
@@ -35,7 +35,13 @@ def load_classifier(folder):
 
 
 def build_causal_lm(m: ModelConfig, vocab_size: int, eos_id: int) -> nn.Module:
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     if m.pretrained:
         return AutoModelForCausalLM.from_pretrained(hub_name(m.pretrained))
@@ -53,9 +59,15 @@ def build_causal_lm(m: ModelConfig, vocab_size: int, eos_id: int) -> nn.Module:
 
 def build_classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: int,
                      id2label: dict[int, str]) -> nn.Module:
-    from transformers import (AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification,
-                              DistilBertConfig, DistilBertForSequenceClassification, RobertaConfig,
-                              RobertaForSequenceClassification)
+    from transformers import (
+        AutoModelForSequenceClassification,
+        BertConfig,
+        BertForSequenceClassification,
+        DistilBertConfig,
+        DistilBertForSequenceClassification,
+        RobertaConfig,
+        RobertaForSequenceClassification,
+    )
 
     label2id = {v: k for k, v in id2label.items()}
     if m.pretrained:

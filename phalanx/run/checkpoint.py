@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from . import dist
-from .runfolder import RunFolder, write_json
+from phalanx.core import dist
+from phalanx.core.runfolder import RunFolder, write_json
 
 LATEST = "latest"
 META = "meta.json"

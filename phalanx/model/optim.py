@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from .config import TrainConfig
+from phalanx.core.config import TrainConfig
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:

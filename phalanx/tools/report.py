@@ -16,10 +16,10 @@ from pathlib import Path
 
 import yaml
 
-from .config import ConfigError, config_hash, load_config
-from .runfolder import RunFolder
-from .sinks import read_metrics
-from .stragglers import detect
+from phalanx.core.config import ConfigError, config_hash, load_config
+from phalanx.core.runfolder import RunFolder
+from phalanx.run.sinks import read_metrics
+from phalanx.run.stragglers import detect
 
 SPLIT_LABELS = {"data_time_s": "data", "sync_time_s": "step-start sync (incl. waiting for others)",
                 "fwd_bwd_time_s": "forward+backward", "optimizer_time_s": "optimizer"}

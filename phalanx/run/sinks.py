@@ -11,8 +11,8 @@ import json
 import math
 from pathlib import Path
 
-from .config import ConfigError
-from .runfolder import RunFolder
+from phalanx.core.config import ConfigError
+from phalanx.core.runfolder import RunFolder
 
 
 class JsonlSink:
@@ -129,7 +129,7 @@ class MlflowSink:
 
 
 def _require(module: str, key: str):
-    import importlib
+    import importlib  # optional sinks: their packages load only when configured
 
     try:
         return importlib.import_module(module)

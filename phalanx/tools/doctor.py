@@ -22,11 +22,11 @@ import psutil
 import torch
 import torch.distributed as tdist
 
-from . import host
-from .config import ConfigError, check_world, hub_name, load_config
-from .dist import free_port, pick_backend
-from .launch import parse_nnodes
-from .tasks import get_task
+from phalanx.core import host
+from phalanx.core.config import ConfigError, check_world, hub_name, load_config
+from phalanx.core.dist import free_port, pick_backend
+from phalanx.tasks import get_task
+from phalanx.tools.launch import parse_nnodes
 
 GB = 2 ** 30
 # Measured here: a worker process of a tiny model holds ~370 MB resident (torch, transformers, Gloo).

@@ -12,7 +12,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from phalanx.core.errors import ConfigError
 
 KINDS = ("kill", "raise", "sleep", "nan", "kill_in_checkpoint", "slow")
 

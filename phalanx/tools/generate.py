@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from .config import ConfigError
-from .model import load_causal_lm
-from .runfolder import EXIT_OK, RunFolder
+from phalanx.core.config import ConfigError
+from phalanx.core.runfolder import EXIT_OK, RunFolder
+from phalanx.model.build import load_causal_lm
 
 
 def add_arguments(p) -> None:

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from .runfolder import EXIT_HANG as HANG_EXIT
+from phalanx.core.runfolder import EXIT_HANG as HANG_EXIT
 
 # Order of the stages within one step; a rank at an earlier stage is behind.
 PHASES = ("start", "sync", "data", "forward", "backward", "optimizer", "eval", "checkpoint", "checkpoint_written",

@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import dist
-from .config import Config, ConfigError, load_config
-from .data import labelled
-from .evaluate import eval_shard
-from .launch import failure_line_of, run_workers
-from .model import load_classifier
-from .runfolder import EXIT_FAILED, EXIT_OK, RunFolder, write_text
-from .tasks.classify import predict_probs
+from phalanx.core import dist
+from phalanx.core.config import Config, ConfigError, load_config
+from phalanx.core.runfolder import EXIT_FAILED, EXIT_OK, RunFolder, write_text
+from phalanx.data import labelled
+from phalanx.model.build import load_classifier
+from phalanx.run.evaluate import eval_shard
+from phalanx.tasks.classify import predict_probs
+from phalanx.tools.launch import failure_line_of, run_workers
 
 
 def add_arguments(p) -> None:

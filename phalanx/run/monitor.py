@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .sinks import JsonlSink, open_sinks  # noqa: F401  (JsonlSink: re-exported)
+from phalanx.run.sinks import JsonlSink, open_sinks  # noqa: F401  (JsonlSink: re-exported)
 
 
 class Progress:
@@ -68,7 +68,7 @@ class Monitor:
         self.progress = None
         self.t_start, self.start_step = time.time(), start_step
         if enabled:
-            from .config import to_dict
+            from phalanx.core.config import to_dict
 
             self.sinks = open_sinks(cfg.log if cfg else None, Path(run_dir), start_step=start_step,
                                     name=cfg.name if cfg else Path(run_dir).name,

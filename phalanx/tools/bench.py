@@ -19,10 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import ConfigError, check_world, load_config
-from .sinks import read_metrics
-from . import host
-from .runfolder import RunFolder
+from phalanx.core import host
+from phalanx.core.config import ConfigError, check_world, load_config
+from phalanx.core.runfolder import RunFolder
+from phalanx.run.sinks import read_metrics
 
 COLUMNS = ("processes", "threads/process", "global batch", "tokens/s", "speedup", "efficiency",
            "uncontended tokens/s (steps)",

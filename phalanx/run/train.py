@@ -18,22 +18,40 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 
-from . import dist, precision
-from .checkpoint import Checkpointer, set_rng_state
-from .data.samplers import GlobalBatchSampler
-from .config import Config, check_world, config_hash, load_config, relevant_subset, save_yaml
-from .evaluate import evaluate
-from .faults import Probe, parse_fault
-from .model import count_parameters, quiet_transformers, tie_shared, unwrap, wrap
-from .monitor import Monitor
-from .optim import WarmupCosine, build_optimizer
-from .runfolder import RunFolder, write_json
-from .state import PreemptionFlag, StopTraining, TrainState
-from .tasks import get_task
-from .telemetry import Telemetry
-from .watchdog import Watchdog
+from phalanx.core import dist
+from phalanx.core.config import (
+    Config,
+    check_world,
+    config_hash,
+    load_config,
+    relevant_subset,
+    save_yaml,
+)
+from phalanx.core.faults import Probe, parse_fault
+from phalanx.core.runfolder import RunFolder, write_json
+from phalanx.data.samplers import GlobalBatchSampler
+from phalanx.model import precision
+from phalanx.model.build import (
+    count_parameters,
+    quiet_transformers,
+    tie_shared,
+    unwrap,
+    wrap,
+)
+from phalanx.model.optim import WarmupCosine, build_optimizer
+from phalanx.run.checkpoint import Checkpointer, set_rng_state
+from phalanx.run.evaluate import evaluate
+from phalanx.run.monitor import Monitor
+from phalanx.run.state import PreemptionFlag, StopTraining, TrainState
+from phalanx.run.telemetry import Telemetry
+from phalanx.run.watchdog import Watchdog
+from phalanx.tasks import get_task
+
 
 def micro_seed(seed: int, step: int, micro_id: int) -> int:
     """Seed for one micro-batch's randomness (dropout), independent of which rank runs it."""

@@ -1,0 +1,1 @@
+"""Models: building Hugging Face models, precision and compile, the optimizer and schedule."""

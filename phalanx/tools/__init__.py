@@ -1,0 +1,1 @@
+"""Commands beside the loop: the launcher, report, bench, doctor, predict, generate."""

@@ -1,0 +1,76 @@
+"""The package's layers, as the README's import table states them, enforced by reading every module
+with `ast` (imports inside functions count too); and the modules that must stay torch-free."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+PACKAGE = REPO / "phalanx"
+
+
+def layer_table() -> dict[str, set[str]]:
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("<!-- LAYERS -->"):text.index("<!-- /LAYERS -->")]
+    rows = re.findall(r"^\| `(\w+)` \| .*? \| (.*?) \|$", block, re.M)
+    return {layer: set(re.findall(r"\w+", allowed)) for layer, allowed in rows}
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and (PACKAGE / parts[1]).is_dir():
+        return parts[1]
+    return "cli"  # phalanx, phalanx.cli, phalanx.__main__
+
+
+def module_of(path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def phalanx_imports(path):
+    """(line, imported module) for every import of a phalanx module in `path`, relative ones resolved."""
+    module, tree = module_of(path), ast.parse(path.read_text())
+    base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module or ""
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                name = full if (REPO / full.replace(".", "/")).with_suffix(".py").exists() or \
+                    (REPO / full.replace(".", "/")).is_dir() else target
+                if name.startswith("phalanx"):
+                    yield node.lineno, name
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names if a.name.startswith("phalanx"))
+
+
+def test_the_table_names_every_layer_folder():
+    table = layer_table()
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert set(table) == folders | {"cli"}
+    assert all(layer in allowed for layer, allowed in table.items())
+
+
+def test_imports_only_go_where_the_table_allows():
+    table, wrong = layer_table(), []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        here = layer_of(module_of(path))
+        for line, name in phalanx_imports(path):
+            if layer_of(name) not in table[here]:
+                wrong.append(f"{path.relative_to(REPO)}:{line} ({here}) imports {name} ({layer_of(name)})")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("module", ["phalanx.tools.report", "phalanx.core.config", "phalanx.core.runfolder",
+                                    "phalanx.cli"])
+def test_torch_free_modules(module):
+    """`phalanx report` and the config checks work without importing torch (and start fast)."""
+    code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

@@ -49,15 +49,34 @@ class RunFolder:
         self.error = self.root / "error.json"             # why the run stopped with an error
         self.hang = self.root / "hang"                    # rank<r>.txt stacks + summary.txt
         self.hang_summary = self.hang / "summary.txt"
+        self.errors = self.root / "errors"                # rank<r>.json: a worker's own error, any exception
+        self.logs = self.root / "logs"                    # workers' stderr and the elastic agent's log
 
     def clear_outcome(self) -> None:
         """A new attempt starts: forget how the previous one ended."""
         self.preempted.unlink(missing_ok=True)
         self.error.unlink(missing_ok=True)
         shutil.rmtree(self.hang, ignore_errors=True)
+        shutil.rmtree(self.errors, ignore_errors=True)
 
     def mark_preempted(self, step: int, signal_name: str | None) -> None:
         write_json(self.preempted, {"step": step, "signal": signal_name})
 
     def mark_error(self, message: str, step: int | None) -> None:
         write_json(self.error, {"error": message, "step": step})
+
+    def mark_rank_error(self, rank: int, error: BaseException, trace: str) -> None:
+        """A worker's own account of why it failed, read by the launcher's failure line."""
+        self.errors.mkdir(parents=True, exist_ok=True)
+        first = (str(error).strip().splitlines() or [""])[0]
+        write_json(self.errors / f"rank{rank}.json", {"rank": rank, "pid": os.getpid(),
+                                                       "error": f"{type(error).__name__}: {first}".rstrip(": "),
+                                                       "traceback": trace})
+
+    def rank_error(self, pid: int) -> str | None:
+        """The first line of the error the worker with this pid recorded, if it recorded one."""
+        for path in sorted(self.errors.glob("rank*.json")):
+            record = read_json(path)
+            if record and record.get("pid") == pid:
+                return record.get("error")
+        return None

@@ -244,7 +244,9 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
         "resumed_from_step": start_step, **eval_metrics, **task.summary_extra(), **run.telemetry.summary()}
     if info.is_main:
         write_json(folder.summary, summary)
-    monitor.message(f"phalanx: done at step {state.step}; final model in {folder.final}")
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in eval_metrics.items() if isinstance(v, float))
+    monitor.message(f"phalanx: done at step {state.step}" + (f"; final {shown}" if shown else "")
+                    + f"; final model in {folder.final}\nnext: " + "\n      ".join(task.next_commands(folder.root)))
     monitor.close()
     return summary
 

@@ -6,19 +6,24 @@ import sys
 import traceback
 
 from phalanx.core.config import load_config
+from phalanx.core.runfolder import RunFolder
 from phalanx.run.state import StopTraining
 from phalanx.run.train import train
 
 
 def main() -> None:
-    code = 0
+    code, cfg = 0, None
     try:
-        train(load_config(sys.argv[1], check_paths=False))  # a clean preemption also exits 0
-    except StopTraining as e:
-        print(f"phalanx: {e}", file=sys.stderr)
-        code = 1
-    except BaseException:
-        traceback.print_exc()
+        cfg = load_config(sys.argv[1], check_paths=False)
+        train(cfg)  # a clean preemption also exits 0
+    except BaseException as e:
+        trace = traceback.format_exc()
+        if isinstance(e, StopTraining):
+            print(f"phalanx: {e}", file=sys.stderr)
+        else:
+            sys.stderr.write(trace)
+        if cfg is not None:  # the launcher names this error in its one-line account of the failure
+            RunFolder(cfg.run_dir).mark_rank_error(int(os.environ.get("RANK", "0")), e, trace)
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from phalanx.core.config import Config
+from phalanx.data.hub import check_hub_names
 from phalanx.tasks.base import Task
 
 
@@ -27,6 +28,9 @@ def prepare_data(cfg: Config, workers: int = 0, progress: bool | None = None) ->
     checks on a sample, then the tokenizer and the stores. A data error is a ConfigError (exit 2)."""
     task = get_task(cfg.task)
     task.check_config(cfg)
+    # hub names usable (cached or reachable) before anything reads them; a hub dataset already streamed
+    # into phalanx's store is not read again
+    check_hub_names(cfg, data=not task.is_prepared(cfg))
     task.preflight(cfg)
     if progress is None:  # the bar follows log.progress (auto = only on an interactive terminal)
         progress = cfg.log.progress == "bar" or (cfg.log.progress == "auto" and sys.stderr.isatty())

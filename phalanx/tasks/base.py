@@ -26,6 +26,8 @@ class Task(Protocol):
     def prepare_data(cfg: Config, workers: int = 0, progress: bool = True) -> dict: ...
     @staticmethod
     def sequence_length(cfg: Config) -> int: ...
+    @staticmethod
+    def is_prepared(cfg: Config) -> bool: ...
 
     # ---- in every worker
     def prepare(self) -> None: ...
@@ -39,6 +41,7 @@ class Task(Protocol):
     def eval_sums(self, model, batch: dict) -> list[float]: ...
     def eval_metrics(self, sums: list[float]) -> dict: ...
     def summary_extra(self) -> dict: ...
+    def next_commands(self, run_dir) -> list[str]: ...
 
 
 class TaskBase:
@@ -55,6 +58,20 @@ class TaskBase:
         if not cfg.model.pretrained and cfg.model.arch not in cls.ARCHS:
             raise ConfigError(f"config key 'model.arch': task '{cls.name}' needs {' or '.join(cls.ARCHS)}, "
                               f"got {cfg.model.arch!r}")
+
+    @classmethod
+    def is_prepared(cls, cfg: Config) -> bool:
+        """The task's data store for `cfg` exists and is current (`open_data` raises FileNotFoundError
+        otherwise)."""
+        try:
+            cls.open_data(cfg)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def next_commands(self, run_dir) -> list[str]:
+        """What to run on the finished run (printed at the end of training)."""
+        return [f"phalanx report {run_dir}"]
 
     def target_count(self, batch: dict) -> int:
         return int(batch["labels"].numel())

@@ -35,6 +35,7 @@ class ClassifyTask(TaskBase):
     name = "classify"
     ARCHS = ("bert", "roberta", "distilbert")
     AUTO_MODEL = "AutoModelForSequenceClassification"
+    open_data = staticmethod(labelled_store.open_classify)
 
     def __init__(self, cfg: Config, info):
         super().__init__(cfg, info)
@@ -89,6 +90,9 @@ class ClassifyTask(TaskBase):
     @staticmethod
     def sequence_length(cfg: Config) -> int:
         return cfg.data.max_length
+
+    def next_commands(self, run_dir) -> list[str]:
+        return [*super().next_commands(run_dir), f"phalanx predict {run_dir} --input TEXTS.jsonl --output predictions.jsonl"]
 
     @staticmethod
     def model_for(cfg: Config, vocab_size: int, special_id: int, names: list[str] | None = None):

@@ -62,6 +62,7 @@ class LMTask(TaskBase):
     name = "lm"
     ARCHS = ("gpt2", "llama")
     AUTO_MODEL = "AutoModelForCausalLM"
+    open_data = staticmethod(lm_store.open_lm_data)
 
     # ---- data -------------------------------------------------------------------------------
     @staticmethod
@@ -93,6 +94,9 @@ class LMTask(TaskBase):
     @staticmethod
     def sequence_length(cfg: Config) -> int:
         return cfg.model.block_size
+
+    def next_commands(self, run_dir) -> list[str]:
+        return [*super().next_commands(run_dir), f'phalanx generate {run_dir} --prompt "The"']
 
     @staticmethod
     def model_for(cfg: Config, vocab_size: int, special_id: int):

@@ -7,8 +7,10 @@ given for multi-node. Each elastic attempt gets a fresh rendezvous store
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -56,12 +58,28 @@ def parse_nnodes(nnodes: str) -> tuple[int, int]:
     return lo_i, hi_i
 
 
+ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::(\d+))?")
+
+
+def check_flags(nproc_per_node: int, nnodes: str, rdzv_endpoint: str, rdzv_id: str, max_restarts: int) -> None:
+    """The launcher flags, in the forms torchrun accepts, before anything is written or moved."""
+    if nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node: expected a whole number >= 1, got {nproc_per_node}")
+    parse_nnodes(nnodes)
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts: expected a whole number >= 0, got {max_restarts}")
+    match = ENDPOINT.fullmatch(rdzv_endpoint) if rdzv_endpoint else None
+    if rdzv_endpoint and (not match or (match.group(2) and not 0 < int(match.group(2)) < 65536)):
+        raise ConfigError(f"--rdzv-endpoint: expected HOST, HOST:PORT or [IPv6]:PORT with a port from 1 to "
+                          f"65535, got {rdzv_endpoint!r}")
+    if rdzv_id and not re.fullmatch(r"[A-Za-z0-9._-]+", rdzv_id):
+        raise ConfigError(f"--rdzv-id: expected letters, digits, '.', '_' or '-', got {rdzv_id!r}")
+
+
 def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool = False) -> None:
     """Checks that need no worker: world shape, backend, task settings, resume compatibility (the data
     is checked by the data step that follows: tasks.prepare_data)."""
     lo, hi = parse_nnodes(nnodes)
-    if nproc_per_node < 1:
-        raise ConfigError(f"--nproc-per-node: expected >= 1, got {nproc_per_node}")
     for n in range(lo, hi + 1):  # elastic membership may settle on any node count in the range
         check_world(cfg, n * nproc_per_node)
     problem = dist.check_backend(dist.pick_backend(cfg.dist.backend))
@@ -124,8 +142,8 @@ def torchrun_args(module_argv: list[str], nproc_per_node: int, nnodes: str, rdzv
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id or "phalanx"]
     else:
         args += ["--standalone"]
-    if log_dir is not None:
-        args += ["--log-dir", str(log_dir)]
+    if log_dir is not None:  # workers' stderr to files there (stdout, with rank 0's progress, stays)
+        args += ["--log-dir", str(log_dir), "--redirects", "2"]
     return args + ["--module", *module_argv]
 
 
@@ -136,13 +154,15 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     if not isinstance(cfg, Config):
         cfg = load_config(cfg, list(overrides))
     run_dir = Path(cfg.run_dir)
+    check_flags(nproc_per_node, nnodes, rdzv_endpoint, rdzv_id, max_restarts)
     check_multinode(nnodes, rdzv_endpoint, fresh)
-    if fresh:
+    # --fresh: the old run goes aside below, so its checkpoints are not this run's to check
+    preflight(dataclasses.replace(cfg, resume="never") if fresh else cfg, nproc_per_node, nnodes, force_resume)
+    prepare_data(cfg)
+    if fresh:  # only now: a refused command leaves the run folder where it was
         old = move_aside(run_dir)
         if old:
             print(f"phalanx: --fresh: moved the previous run to {old}", flush=True)
-    preflight(cfg, nproc_per_node, nnodes, force_resume)
-    prepare_data(cfg)
     if not cfg.dist.threads_per_worker:
         cfg.dist.threads_per_worker = dist.default_threads(nproc_per_node)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -151,7 +171,8 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
 
     try:
         failure = run_workers(["phalanx.run.worker", str(config_path)], nproc_per_node, cfg.dist.threads_per_worker,
-                              nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts)
+                              nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
+                              folder=RunFolder(run_dir))
     finally:
         if config_path.parent != run_dir:
             config_path.unlink(missing_ok=True)
@@ -159,9 +180,11 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
 
 
 def run_workers(module_argv: list[str], nproc_per_node: int, threads: int, *, nnodes: str = "1",
-                rdzv_endpoint: str = "", rdzv_id: str = "", max_restarts: int = 0):
+                rdzv_endpoint: str = "", rdzv_id: str = "", max_restarts: int = 0, folder: RunFolder | None = None):
     """Start `python -m MODULE ARGS` as workers under PyTorch's elastic agent; the failure, or None.
-    Every phalanx command that starts workers (train, predict) comes through here."""
+    Every phalanx command that starts workers (train, predict) comes through here. With a run folder,
+    the workers' stderr (the tracebacks a dying rank causes in the others) and the agent's own log go to
+    RUN/logs, and the console keeps phalanx's one-line account of each failure, which names them."""
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # fresh store per elastic attempt
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
@@ -170,10 +193,12 @@ def run_workers(module_argv: list[str], nproc_per_node: int, threads: int, *, nn
     # which save and stop exactly as on SIGTERM.
     signal.signal(signal.SIGUSR1, _forward_to_workers)
     memory = MemoryWatch()  # so that a worker killed by the OOM killer is reported as out of memory
-    failures = FailureReporter(max_restarts, single_node=not rdzv_endpoint, memory=memory)
+    failures = FailureReporter(max_restarts, single_node=not rdzv_endpoint, memory=memory, folder=folder)
     logging.getLogger(FailureReporter.LOGGER).addHandler(failures)
+    log_dir = folder.logs if folder is not None else None
     args = trun.get_args_parser().parse_args(
-        torchrun_args(module_argv, nproc_per_node, nnodes, rdzv_endpoint, rdzv_id, max_restarts))
+        torchrun_args(module_argv, nproc_per_node, nnodes, rdzv_endpoint, rdzv_id, max_restarts, log_dir))
+    quiet = _agent_log_to_file(log_dir / "launcher.log") if log_dir is not None else None
     try:
         memory.start()
         trun.run(args)
@@ -182,7 +207,25 @@ def run_workers(module_argv: list[str], nproc_per_node: int, threads: int, *, nn
     finally:
         memory.stop()
         logging.getLogger(FailureReporter.LOGGER).removeHandler(failures)
+        if quiet is not None:
+            quiet()
     return None
+
+
+def _agent_log_to_file(path: Path):
+    """Send the elastic agent's W/E log lines to `path` instead of the console; returns the undo."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger("torch.distributed.elastic")
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
+
+    def undo() -> None:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.propagate = True
+    return undo
 
 
 class FailureReporter(logging.Handler):
@@ -193,10 +236,11 @@ class FailureReporter(logging.Handler):
 
     LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
-    def __init__(self, max_restarts: int, single_node: bool, memory: MemoryWatch | None = None):
+    def __init__(self, max_restarts: int, single_node: bool, memory: MemoryWatch | None = None,
+                 folder: RunFolder | None = None):
         super().__init__(logging.ERROR)
         self.max_restarts, self.single_node, self.failures = max_restarts, single_node, 0
-        self.memory = memory
+        self.memory, self.folder = memory, folder
 
     def emit(self, record: logging.LogRecord) -> None:
         args = record.args if isinstance(record.args, tuple) else ()
@@ -204,16 +248,19 @@ class FailureReporter(logging.Handler):
             return  # another message, or a torch whose wording changed: its own log line still says it
         code, local_rank, pid = args[:3]
         self.failures += 1
-        line = failure_line(code, local_rank, pid, self.single_node, self.memory)
+        line = failure_line(code, local_rank, pid, self.single_node, self.memory, self.folder)
         if self.memory is not None:
             self.memory.snapshot()  # the next attempt's OOM kills are its own
         print(f"phalanx: {line}; "
               + (f"restarting all workers from the latest checkpoint (restart {self.failures} of "
                  f"{self.max_restarts})" if self.failures <= self.max_restarts else
-                 f"no restarts left (--max-restarts {self.max_restarts})"), file=sys.stderr, flush=True)
+                 f"no restarts left (--max-restarts {self.max_restarts})")
+              + (f"; all workers' output in {self.folder.logs}" if self.folder is not None else ""),
+              file=sys.stderr, flush=True)
 
 
-def failure_line(code, local_rank, pid, single_node: bool, memory: MemoryWatch | None = None) -> str:
+def failure_line(code, local_rank, pid, single_node: bool, memory: MemoryWatch | None = None,
+                 folder: RunFolder | None = None) -> str:
     who = f"rank {local_rank}" if single_node else f"local rank {local_rank} on this node"
     try:
         code = int(code)
@@ -227,16 +274,17 @@ def failure_line(code, local_rank, pid, single_node: bool, memory: MemoryWatch |
         if code == -signal.SIGKILL and memory is not None and memory.oom_killed():
             why += f": out of memory (the kernel's OOM killer; {memory.describe()})"
     else:
-        why = f"exited with code {code} (its error is printed above)"
+        own = folder.rank_error(int(pid)) if folder is not None else None
+        why = f"exited with code {code}" + (f": {own}" if own else "")
     return f"{who} (pid {pid}) {why}"
 
 
-def failure_line_of(failure) -> str:
+def failure_line_of(failure, folder: RunFolder | None = None) -> str:
     """One line for a failed worker group: which rank failed first and why (never torch's banner)."""
     failures = getattr(failure, "failures", None)  # ChildFailedError: {global rank: ProcessFailure}
     if failures:
         rank, first = min(failures.items(), key=lambda item: item[1].timestamp)
-        return failure_line(first.exitcode, rank, first.pid, single_node=True)
+        return failure_line(first.exitcode, rank, first.pid, single_node=True, folder=folder)
     sigval = getattr(failure, "sigval", None)  # SignalException: the launcher itself got a signal
     if sigval is not None:
         return f"the launcher received {signal.Signals(sigval).name}"
@@ -285,7 +333,7 @@ def outcome(run_dir: Path, failure) -> int:
         print(f"phalanx: stopped: {error['error']}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     if failure is not None:
-        print(f"phalanx: training failed: {failure_line_of(failure)}",
+        print(f"phalanx: training failed: {failure_line_of(failure, folder)}",
               file=sys.stderr, flush=True)
         return EXIT_FAILED
     return EXIT_OK

@@ -1,0 +1,108 @@
+"""Hub names are checked in the launcher before any worker starts: a name that is neither cached nor
+reachable is one line and exit 2 within seconds; local folders and cached names need no network."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+from conftest import phalanx
+
+from phalanx.core.config import ConfigError, load_config
+from phalanx.data import hub
+
+
+def hub_reachable() -> bool:
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("key,value,name", [
+    ("data.train", "hf:wikitext:wikitext-2-raw-v1", "wikitext"),
+    ("model.pretrained", "hf:gpt2", "gpt2"),
+    ("data.tokenizer", "hf:bert-base-uncased", "bert-base-uncased"),
+], ids=["dataset", "model", "tokenizer"])
+def test_unreachable_hub_name_is_one_line_and_exit_2(tmp_path, key, value, name):
+    # An empty Hugging Face cache; where the hub IS reachable, a closed local port stands in for it
+    # (otherwise the command would download and train).
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"),
+           "HF_DATASETS_CACHE": str(tmp_path / "hf" / "datasets")}
+    if hub_reachable():
+        env["HF_ENDPOINT"] = "http://127.0.0.1:9"
+    t0 = time.monotonic()
+    proc = phalanx("train", f"{key}={value}", "--run-dir", tmp_path / "run", env=env, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert elapsed < 20
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert key in lines[0] and f"'{name}'" in lines[0] and "unreachable" in lines[0]
+    assert "offline" in lines[0] and "HF_HUB_OFFLINE=1" in lines[0]
+    assert "phalanx: task" not in proc.stdout and not (tmp_path / "run" / "config.yaml").exists()
+
+
+@pytest.fixture
+def no_network(monkeypatch, tmp_path):
+    """An empty cache under tmp_path (restored afterwards), and any hub request is a test failure."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+
+    def probe(name, kind):
+        raise AssertionError(f"the hub was asked for {kind} {name!r}")
+
+    monkeypatch.setattr(hub, "_probe", probe)
+
+
+def test_a_local_dataset_folder_passes_without_network(tmp_path, no_network):
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(json.dumps({"text": "hello"}) + "\n", encoding="utf-8")
+    hub.check_hub_names(load_config(None, [f"data.train=hf:{folder}"]))
+    with pytest.raises(ConfigError, match="data.validation.*local folder .* not found"):
+        hub.check_hub_names(load_config(None, [f"data.train=hf:{folder}", f"data.validation=hf:{folder}-x"]))
+
+
+def fake_hub_repo(cache, repo: str, files: list[str], rev: str = "0123456789abcdef0123456789abcdef01234567"):
+    """A repo in huggingface_hub's cache layout: models--ORG--NAME/refs/main + snapshots/<rev>/FILES."""
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(rev)
+    (folder / "snapshots" / rev).mkdir(parents=True)
+    for name in files:
+        (folder / "snapshots" / rev / name).write_text("{}")
+
+
+@pytest.mark.parametrize("via", ["HF_HOME", "HF_HUB_CACHE"])
+def test_a_model_in_the_local_hub_cache_passes_without_network(tmp_path, monkeypatch, no_network, via):
+    cache = tmp_path / "hf" / "hub" if via == "HF_HOME" else tmp_path / "elsewhere"
+    if via == "HF_HUB_CACHE":
+        monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    fake_hub_repo(cache, "phalanx-test/tiny", ["config.json", "tokenizer.json"])
+    fake_hub_repo(cache, "phalanx-test/no-tokenizer", ["config.json"])
+    hub.check_hub_names(load_config(None, ["model.pretrained=hf:phalanx-test/tiny"]))
+    hub.check_hub_names(load_config(None, ["data.tokenizer=hf:phalanx-test/tiny"]))
+    hub.check_hub_names(load_config(None, ["model.pretrained=hf:phalanx-test/no-tokenizer",
+                                           "data.tokenizer=hf:phalanx-test/tiny"]))
+
+
+def test_a_partly_cached_name_still_asks_the_hub(tmp_path, monkeypatch, no_network):
+    """A model whose tokenizer is not cached (model.pretrained supplies it too) is not usable offline."""
+    fake_hub_repo(tmp_path / "hf" / "hub", "phalanx-test/no-tokenizer", ["config.json"])
+    monkeypatch.setattr(hub, "_probe", lambda name, kind: "ConnectError: no network")
+    with pytest.raises(ConfigError, match="model.pretrained.*'phalanx-test/no-tokenizer'.*unreachable.*offline"):
+        hub.check_hub_names(load_config(None, ["model.pretrained=hf:phalanx-test/no-tokenizer"]))
+
+
+def test_a_dataset_in_the_datasets_cache_passes_without_network(tmp_path, monkeypatch, no_network):
+    # datasets' own offline layout: <namespace>___<snake_case name>/<config>/<version>/<hash>
+    (tmp_path / "hf" / "datasets" / "org___my_corpus" / "small" / "0.0.0" / "abc123").mkdir(parents=True)
+    hub.check_hub_names(load_config(None, ["data.train=hf:org/MyCorpus:small"]))
+    hub.check_hub_names(load_config(None, ["data.train=hf:org/MyCorpus"]))
+    monkeypatch.setattr(hub, "_probe", lambda name, kind: "ConnectError: no network")
+    with pytest.raises(ConfigError, match="data.train.*'org/MyCorpus' \\(config 'large'\\).*unreachable"):
+        hub.check_hub_names(load_config(None, ["data.train=hf:org/MyCorpus:large"]))

@@ -1,0 +1,74 @@
+"""A newcomer's first hour (issue 13): clear one-line errors before anything starts, failure accounts that
+name the rank and its own error, a quiet console, and an end of run that says what to do next."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import lm_args, phalanx
+
+
+def one_error_line(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "phalanx: task" not in proc.stdout  # no worker started
+    return lines[0]
+
+
+def test_too_little_data_is_exit_2_before_any_worker(tmp_path, cache_dir):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("abc\n")
+    line = one_error_line(phalanx("train", f"data.train={tiny}", f"data.cache_dir={cache_dir}",
+                                  "--run-dir", tmp_path / "run", "--nproc-per-node", 2, timeout=60))
+    assert f"'{tiny}' gives" in line and "training tokens; one sequence needs model.block_size + 1 = 129" in line
+    line = one_error_line(phalanx(*lm_args(tmp_path / "run2", cache_dir, f"data.validation={tiny}"), timeout=60))
+    assert f"validation data '{tiny}' gives" in line and "model.block_size + 1 = 33" in line
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--max-restarts", "-1", "--max-restarts: expected a whole number >= 0, got -1"),
+    ("--nproc-per-node", "0", "--nproc-per-node: expected a whole number >= 1, got 0"),
+    ("--nnodes", "2:1", "--nnodes: expected 1 <= MIN <= MAX"),
+    ("--rdzv-endpoint", "node1:99999", "--rdzv-endpoint: expected HOST, HOST:PORT or [IPv6]:PORT"),
+    ("--rdzv-id", "my job", "--rdzv-id: expected letters, digits"),
+])
+def test_bad_launcher_flags_are_exit_2_and_nothing_is_written_or_moved(flag, value, expected, tmp_path, cache_dir):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "keep.txt").write_text("old")
+    for fresh in ([], ["--fresh"]):
+        proc = phalanx(*lm_args(run, cache_dir), flag, value, *fresh, timeout=60)
+        assert expected in one_error_line(proc)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and [p.name for p in run.iterdir()] == ["keep.txt"]
+
+
+def test_good_endpoint_forms_pass_the_flag_check():
+    from phalanx.tools.launch import check_flags
+
+    for endpoint in ("node001", "node001:29500", "10.0.0.1:29500", "[fe80::1]:29500", "[::1]"):
+        check_flags(2, "2", endpoint, "job-7.a_b", 3)
+
+
+def test_a_failed_worker_is_named_with_its_own_error_and_the_console_stays_quiet(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    proc = phalanx(*lm_args(run, cache_dir, "train.max_steps=4", "debug.fault=raise:rank=1:step=2"),
+                   "--nproc-per-node", 2, timeout=120)
+    assert proc.returncode == 1
+    account = [line for line in proc.stderr.splitlines() if line.startswith("phalanx: ")]
+    assert account[-1].startswith("phalanx: training failed: rank 1 (pid ")
+    assert account[-1].endswith("exited with code 1: RuntimeError: injected failure (debug.fault) at step 2")
+    assert f"all workers' output in {run / 'logs'}" in proc.stderr
+    assert "Traceback" not in proc.stderr and "=====" not in proc.stderr  # tracebacks are in RUN/logs
+    assert json.loads((run / "errors" / "rank1.json").read_text())["error"].startswith("RuntimeError: injected")
+    logged = "".join(p.read_text() for p in (run / "logs").rglob("*.log"))
+    assert "Traceback" in logged and "injected failure" in logged
+
+
+def test_the_end_of_a_run_says_what_to_do_next(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    proc = phalanx(*lm_args(run, cache_dir, "train.max_steps=2"), check=True, timeout=120)
+    assert "final eval/loss" in proc.stdout and f"next: phalanx report {run}" in proc.stdout
+    assert f'phalanx generate {run} --prompt' in proc.stdout
+    out = phalanx("generate", run, "--prompt", "ROMEO:", "--max-new-tokens", "5", check=True)
+    assert out.stdout.startswith("ROMEO:") and "Loading" not in out.stdout and "%|" not in out.stdout

@@ -7,8 +7,13 @@ BIN    := $(VENV)/bin
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+# `make image`: the container of examples/k8s and examples/slurm (Dockerfile). Its torch comes from
+# TORCH_INDEX when given (e.g. .../whl/cu128 for CUDA), else the CPU index; IMAGE names it.
+VERSION     ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE       ?= phalanx:$(VERSION)
+IMAGE_TORCH_INDEX ?= $(or $(TORCH_INDEX),https://download.pytorch.org/whl/cpu)
 
-.PHONY: setup demo test test-all bench docs clean
+.PHONY: setup demo test test-all bench docs image clean
 
 setup: $(VENV)/.stamp
 
@@ -32,6 +37,9 @@ bench: setup         ## foundation benchmark: phalanx vs a plain DDP loop
 
 docs: setup         ## regenerate the README's config table from the schema
 	$(BIN)/python -c "import re,pathlib; from phalanx.core.config import describe_markdown as d; p=pathlib.Path('README.md'); s=p.read_text(); p.write_text(re.sub(r'(<!-- CONFIG-KEYS -->\n).*?(<!-- /CONFIG-KEYS -->)', lambda m: m.group(1)+chr(10).join(d())+chr(10)+m.group(2), s, flags=re.S))"
+
+image:               ## container image phalanx:<version> (CPU torch; CUDA: make image TORCH_INDEX=.../whl/cu128)
+	docker build -t $(IMAGE) --build-arg TORCH_INDEX=$(IMAGE_TORCH_INDEX) --build-arg TORCH_SPEC="$(TORCH_SPEC)" .
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

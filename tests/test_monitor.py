@@ -1,7 +1,6 @@
 """Per-step metrics, stragglers and sinks, in real 2-process runs (Gloo on CPU)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import sys
@@ -10,7 +9,6 @@ import types
 import pytest
 from conftest import lm_args, metrics, phalanx
 
-HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 SPLIT = ("data_time_s", "sync_time_s", "fwd_bwd_time_s", "optimizer_time_s")
 DOCUMENTED = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s", *SPLIT,
               "comm_time_s", "comm_exposed_time_s", "flops_per_token", "model_tflops", "mfu", "host_peak_mb",
@@ -21,10 +19,9 @@ DOCUMENTED = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s"
 @pytest.fixture(scope="module")
 def even_run(tmp_path_factory, cache_dir):
     run = tmp_path_factory.mktemp("even")
-    sinks = ["log.tensorboard=true"] if HAS_TENSORBOARD else []
     proc = phalanx(*lm_args(run, cache_dir, "train.max_steps=12", "train.log_every=2", "log.peak_tflops=0.5",
                             "log.straggler_margin=0.8",  # tiny steps on a shared 2-core box are noisy
-                            *sinks), "--nproc-per-node", 2, check=True, timeout=180)
+                            "log.tensorboard=true"), "--nproc-per-node", 2, check=True, timeout=180)
     return run, proc
 
 
@@ -80,7 +77,6 @@ def test_slow_rank_is_named_as_straggler(tmp_path, cache_dir):
     assert [e["rank"] for e in events] == [1]
 
 
-@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard extra not installed")
 def test_tensorboard_gets_every_ranks_metrics(even_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -153,9 +149,19 @@ def test_optional_sinks_share_one_interface(tmp_path, monkeypatch):
     plain[0].close()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
-def test_missing_sink_package_is_a_config_error():
+def test_missing_sink_package_is_a_config_error(tmp_path, monkeypatch):
     from phalanx.core.config import ConfigError, load_config
+    from phalanx.run.sinks import MlflowSink, WandbSink
 
-    with pytest.raises(ConfigError, match="log.wandb_project.*wandb package is not installed"):
-        load_config(None, ["log.wandb_project=demo"])
+    # The test extra installs every sink package: hide them (None in sys.modules reads as "not installed").
+    for module in ("tensorboard", "wandb", "mlflow"):
+        monkeypatch.setitem(sys.modules, module, None)
+    for key, module in (("log.tensorboard=true", "tensorboard"), ("log.wandb_project=demo", "wandb"),
+                        ("log.mlflow_experiment=demo", "mlflow")):
+        with pytest.raises(ConfigError, match=rf"'{key.split('=')[0]}'.*{module} package is not installed"):
+            load_config(None, [key])
+    # Past the config check (a package gone between check and start): the sink says the same.
+    with pytest.raises(ConfigError, match="'log.wandb_project'.*wandb package is not installed"):
+        WandbSink("p", "n", tmp_path, {})
+    with pytest.raises(ConfigError, match="'log.mlflow_experiment'.*mlflow package is not installed"):
+        MlflowSink("e", "n", {})

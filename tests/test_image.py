@@ -12,7 +12,6 @@ import re
 import shlex
 import subprocess
 
-import pytest
 import yaml
 from conftest import REPO
 

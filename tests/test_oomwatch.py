@@ -90,8 +90,7 @@ def test_failure_line_says_out_of_memory_only_for_an_oom_kill(tmp_path):
     # another signal or an exit code keeps its wording even when the counter rose
     assert failure_line(-15, 0, 7, False, oom_watch(tmp_path, killed=True)) == \
         "local rank 0 on this node (pid 7) killed by SIGTERM"
-    assert failure_line(1, 0, 7, True, oom_watch(tmp_path, killed=True)) == \
-        "rank 0 (pid 7) exited with code 1 (its error is printed above)"
+    assert failure_line(1, 0, 7, True, oom_watch(tmp_path, killed=True)) == "rank 0 (pid 7) exited with code 1"
 
 
 def test_failure_reporter_prints_the_oom_line_then_judges_the_next_attempt_afresh(tmp_path, capsys):

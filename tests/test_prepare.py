@@ -3,7 +3,6 @@ the number of workers, resumable after a kill, clear errors with nothing half-wr
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -184,12 +183,12 @@ def test_changed_file_invalidates_the_store(tmp_path):
     assert len(lm_store.open_lm_data(cfg).train) > before
 
 
-def test_hub_dataset_code_path_streams_a_local_dataset_folder(tmp_path):
+def test_hub_dataset_code_path_streams_a_local_dataset_folder(tmp_path, monkeypatch):
     folder = tmp_path / "ds"
     folder.mkdir()
     rows = [{"text": line} for line in TRICKY.splitlines()[:200] if line.strip()]
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # a local folder: never the network
     tok = "data.tokenizer=" + str(tokenizer_dir(tmp_path, TRICKY))
     lm_store.prepare_lm(cfg_for(f"hf:{folder}", tmp_path / "hub", tok, "data.val_fraction=0"), 1, progress=False)
     lm_store.prepare_lm(cfg_for(folder / "train.jsonl", tmp_path / "file", tok, "data.val_fraction=0"), 1, progress=False)

@@ -49,6 +49,7 @@ from phalanx.model.build import (
     wrap,
 )
 from phalanx.model.optim import WarmupCosine, build_optimizer
+from phalanx.run.watchdog import Watchdog, summarize
 
 VOCAB, BLOCK, EMBD = 64, 16, 32
 
@@ -571,3 +572,22 @@ def test_eval_shard_partitions_exactly(n, world):
     sizes = [len(s) for s in shards]
     assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
     assert max(sizes) == math.ceil(n / world)
+
+
+# --- hang watchdog -------------------------------------------------------------------------------
+
+def test_hung_rank_waits_for_its_peers_reports_before_exiting(tmp_path):
+    """The launcher stops the group when the first worker exits: a rank that exited at once would cut off
+    the stacks of its peers, and the diagnosis would name no stuck rank."""
+    dog0, dog1 = Watchdog(tmp_path, 0, 2, 5.0), Watchdog(tmp_path, 1, 2, 5.0)
+    dog0.beat(3, "sync")
+    dog1.beat(3, "start")
+    dog0._dump(6.0)
+    waiter = threading.Thread(target=dog0._wait_for_peers)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # rank 1 has not reported yet
+    dog1._dump(6.0)
+    waiter.join(2.0)
+    assert not waiter.is_alive()
+    assert "rank(s) 1 did not reach the collective at step 3" in summarize(tmp_path)

@@ -88,7 +88,7 @@ def train(cfg: Config | str) -> dict:
     info = dist.setup(cfg.dist.backend, timeout_s=max(cfg.dist.startup_timeout_s, cfg.dist.timeout_s) + 60,
                       threads=cfg.dist.threads_per_worker, nccl=dist.nccl_env(cfg.dist),
                       nccl_timeout_s=cfg.dist.nccl_timeout_s, tune_malloc=cfg.dist.keep_freed_memory)
-    watchdog = Watchdog(RunFolder(cfg.run_dir).hang, info.rank, cfg.dist.startup_timeout_s).start()
+    watchdog = Watchdog(RunFolder(cfg.run_dir).hang, info.rank, info.world_size, cfg.dist.startup_timeout_s).start()
     try:
         summary = _train(cfg, info, watchdog)
     except BaseException as e:

@@ -2,7 +2,9 @@
 
 The loop calls `beat(step, phase)` at each stage of a step. If no beat arrives within the timeout,
 the thread writes this rank's Python stacks (all threads) and its last position to RUN/hang/rank<r>.txt
-and ends the process with HANG_EXIT, so the job stops instead of waiting forever. The launcher then
+and ends the process with HANG_EXIT, so the job stops instead of waiting forever. Before exiting it
+waits (briefly) for the other ranks' files: the launcher stops the whole group as soon as one worker
+exits, so a rank that exited at once would cut off the peers' reports. The launcher then
 compares the ranks' positions: the rank(s) furthest behind are the ones that never reached the
 collective the others are waiting in.
 """
@@ -23,8 +25,8 @@ PHASES = ("start", "sync", "data", "forward", "backward", "optimizer", "eval", "
 
 
 class Watchdog:
-    def __init__(self, folder: Path, rank: int, timeout_s: float):
-        self.folder, self.rank, self.timeout_s = Path(folder), rank, timeout_s
+    def __init__(self, folder: Path, rank: int, world_size: int, timeout_s: float):
+        self.folder, self.rank, self.world_size, self.timeout_s = Path(folder), rank, world_size, timeout_s
         self.position = {"step": -1, "micro": 0, "phase": "start"}
         self._last = time.monotonic()
         self._stop = threading.Event()
@@ -46,6 +48,7 @@ class Watchdog:
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
                 self._dump(idle)
+                self._wait_for_peers()
                 os._exit(HANG_EXIT)
 
     def _dump(self, idle: float) -> None:
@@ -55,6 +58,17 @@ class Watchdog:
                                 **self.position}) + "\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+
+
+    def _wait_for_peers(self) -> None:
+        """Peers stuck in the same collective stop beating at about the same time, so their reports follow
+        within about one timeout; the cap keeps a lost peer (another node's folder) from holding us long."""
+        deadline = time.monotonic() + min(self.timeout_s, 30.0) + 2.0
+        wanted = {f"rank{r}.txt" for r in range(self.world_size)}
+        while time.monotonic() < deadline:
+            if wanted <= {f.name for f in self.folder.glob("rank*.txt")}:
+                return
+            time.sleep(0.2)
 
 
 def _key(pos: dict) -> tuple:

@@ -97,6 +97,21 @@ def test_resume_on_a_different_world_size(tmp_path, small_text, cache_dir, basel
     assert summary["samples_seen"] == STEPS * 24  # nothing skipped or repeated
 
 
+def test_checkpoint_of_one_optimizer_impl_resumes_under_another(tmp_path, small_text, cache_dir, baseline):
+    """The baseline ran fused AdamW (auto on CPU); the same run stopped at step 7 and resumed with the
+    single-tensor loop is not refused and follows it within float rounding: same state, same math."""
+    run = tmp_path / "run"
+    first = phalanx(*args(run, small_text, cache_dir, "train.optimizer_impl=fused", "debug.fault=raise:rank=0:step=7"),
+                    "--nproc-per-node", 2)
+    assert "optimizer AdamW fused" in first.stdout and (run / "checkpoints" / "step_000006").is_dir()
+    proc = phalanx(*args(run, small_text, cache_dir, "train.optimizer_impl=loop"), "--nproc-per-node", 2,
+                   check=True, timeout=180)
+    assert "optimizer AdamW loop" in proc.stdout and "at step 6" in proc.stdout
+    assert json.loads((baseline / "summary.json").read_text())["optimizer_impl"] == "fused"
+    assert json.loads((run / "summary.json").read_text())["optimizer_impl"] == "loop"
+    assert_same_run(run, baseline, rel=1e-5)
+
+
 def test_elastic_restart_after_sigkill_continues_exactly(tmp_path, small_text, cache_dir, baseline):
     run = tmp_path / "run"
     proc = phalanx(*args(run, small_text, cache_dir, "debug.fault=kill:rank=1:step=5"), "--nproc-per-node", 2,

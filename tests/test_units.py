@@ -48,7 +48,7 @@ from phalanx.model.build import (
     unwrap,
     wrap,
 )
-from phalanx.model.optim import WarmupCosine, build_optimizer
+from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl, restore_impl
 from phalanx.run.watchdog import Watchdog, summarize
 
 VOCAB, BLOCK, EMBD = 64, 16, 32
@@ -118,6 +118,47 @@ def test_schedule_apply_and_state_round_trip():
     fresh.load_state_dict(state)
     assert fresh.step == 17 and fresh.state_dict() == s.state_dict()
     assert fresh.lr_at(fresh.step) == lr
+
+
+def _adamw_run(impl: str, steps: int, model=None, state=None):
+    torch.manual_seed(0)
+    model = model or build_causal_lm(tiny("gpt2"), VOCAB, 0)
+    opt = build_optimizer(model, TrainConfig(lr=1e-2, weight_decay=0.1, optimizer_impl=impl))
+    if state is not None:
+        opt.load_state_dict(state)
+        restore_impl(opt, impl)
+    for k in range(steps):
+        gen = torch.Generator().manual_seed(k)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "loop"])
+def test_optimizer_impls_run_the_same_adamw(impl):
+    ref, _ = _adamw_run("loop", 5)
+    model, opt = _adamw_run(impl, 5)
+    assert optimizer_impl(opt) == impl
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_auto_is_fused_on_cpu_and_a_saved_state_resumes_under_another_impl():
+    assert optimizer_impl(_adamw_run("auto", 0)[1]) == "fused"
+    ref, _ = _adamw_run("fused", 6)
+    model, fused = _adamw_run("fused", 3)
+    state = pickle.loads(pickle.dumps(fused.state_dict()))
+    model, loop = _adamw_run("loop", 0, model=model, state=state)
+    assert optimizer_impl(loop) == "loop"  # not the saved groups' fused flag
+    gen_steps = [torch.Generator().manual_seed(k) for k in range(3, 6)]
+    for gen in gen_steps:
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        loop.step()
+    assert all(int(loop.state[p]["step"]) == 6 for p in model.parameters())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_weight_decay_on_matrices_only():

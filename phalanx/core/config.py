@@ -107,6 +107,10 @@ class TrainConfig:
     beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
     beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)", min=0.0)
+    optimizer_impl: str = _f("auto", "AdamW implementation (speed only; the same math and state, so a "
+                             "checkpoint resumes under any): auto = torch's fused kernel where torch supports "
+                             "it for the parameters, else foreach on CUDA and the single-tensor loop elsewhere",
+                             choices=["auto", "fused", "foreach", "loop"])
     seed: int = _f(1337, "seed for init, data order and dropout", min=0)
     log_every: int = _f(10, "optimizer steps between metric lines", min=1)
     eval_every: int = _f(100, "optimizer steps between evaluations (0 = only at the end)", min=0)

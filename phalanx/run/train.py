@@ -43,7 +43,7 @@ from phalanx.model.build import (
     unwrap,
     wrap,
 )
-from phalanx.model.optim import WarmupCosine, build_optimizer
+from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl, restore_impl
 from phalanx.run.checkpoint import Checkpointer, set_rng_state
 from phalanx.run.evaluate import evaluate
 from phalanx.run.monitor import Monitor
@@ -173,7 +173,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
                f"({info.backend}, {torch.get_num_threads()} threads/process), global batch "
                f"{t.global_batch_size} = micro {t.micro_batch_size} x world {info.world_size} x accum {accum}, "
                f"precision {precision.describe(t.precision, tr.amp_dtype)}, strategy "
-               f"{t.strategy if info.world_size > 1 else 'single'}")
+               f"{t.strategy if info.world_size > 1 else 'single'}, optimizer AdamW {optimizer_impl(tr.optimizer)}")
     ckpt = Checkpointer(folder.root, info, t.keep_checkpoints)
     state = TrainState()
     resumed = _resume(cfg, ckpt, tr, state, info)
@@ -241,7 +241,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
         "tokens_per_s": state.tokens_seen / max(state.train_time_s, 1e-9),
         "wall_time_s": round(time.time() - t_launch, 3),
         "startup_s": round((first_step_at or time.time()) - t_launch, 3),
-        "resumed_from_step": start_step, **eval_metrics, **task.summary_extra(), **run.telemetry.summary()}
+        "resumed_from_step": start_step, "optimizer_impl": optimizer_impl(tr.optimizer), **eval_metrics, **task.summary_extra(), **run.telemetry.summary()}
     if info.is_main:
         write_json(folder.summary, summary)
     shown = ", ".join(f"{k} {v:.4g}" for k, v in eval_metrics.items() if isinstance(v, float))
@@ -338,7 +338,9 @@ def _resume(cfg: Config, ckpt: Checkpointer, tr: Trainee, state: TrainState, inf
     if path is None:
         return None
     t_load = time.perf_counter()
+    impl = optimizer_impl(tr.optimizer)
     meta, rank_state = ckpt.load(path, tr.model, tr.optimizer)
+    restore_impl(tr.optimizer, impl)  # the checkpoint's may differ: speed only, same state
     state.load_state_dict(meta["train_state"])
     tr.schedule.load_state_dict(meta["schedule"])
     if meta.get("scaler"):

@@ -77,6 +77,22 @@ def test_slow_rank_is_named_as_straggler(tmp_path, cache_dir):
     assert [e["rank"] for e in events] == [1]
 
 
+def test_telemetry_off_keeps_loss_rates_and_split_only(tmp_path, cache_dir, even_run):
+    """log.telemetry=false: no comm hook, resources, per-rank lists or straggler check (a slow rank goes
+    unnamed), and the same training as with it on."""
+    proc = phalanx(*lm_args(tmp_path, cache_dir, "train.max_steps=12", "train.log_every=2", "log.telemetry=false",
+                            "debug.fault=slow:rank=1:step=0:seconds=0.05", "log.straggler_margin=0.8"),
+                   "--nproc-per-node", 2, check=True, timeout=180)
+    assert "straggler" not in proc.stdout
+    lines, ref = train_lines(tmp_path), train_lines(even_run[0])
+    for m, want in zip(lines, ref, strict=True):
+        assert {"loss", "tokens_per_s", "step_time_s", "useful_tokens_per_s", *SPLIT} <= m.keys()
+        assert not [k for k in m if k.startswith("ranks/") or k.startswith("comm") or k in ("mfu", "host_peak_mb")]
+        assert m["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stragglers"] == [] and "host_peak_mb" not in summary
+
+
 def test_tensorboard_gets_every_ranks_metrics(even_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -168,6 +168,9 @@ class LogConfig:
     peak_tflops: float = _f(0.0, "peak dense TFLOP/s for MFU: of one GPU, or of one node's CPUs; 0 = a "
                             "built-in table for known GPUs (16-bit or fp32 by train.precision), no MFU on CPU",
                             min=0.0)
+    telemetry: bool = _f(True, "per-rank cost accounting: gradient-communication timing (a DDP comm hook), "
+                         "CPU/memory per rank, per-rank lists, straggler checks, FLOPs/MFU; off keeps loss, "
+                         "rates and the step-time split")
     straggler_margin: float = _f(0.2, "a rank whose busy time per step exceeds the median over ranks by "
                                  "more than this fraction is slow in that log window", min=0.0)
     straggler_windows: int = _f(3, "consecutive slow log windows before a rank is named a straggler",

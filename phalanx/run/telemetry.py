@@ -19,6 +19,9 @@ stragglers. What each time means (seconds per optimizer step, averaged over the 
                        has nothing left to do but wait for communication
   ranks/busy_time_s    step - sync - comm_exposed: time a rank worked rather than waited for others
 
+With `log.telemetry: false` only the loss, the rates, pad fraction and the four-way split are kept: no comm
+hook, no per-rank resource sampling, no per-rank lists, no straggler check, no FLOPs/MFU.
+
 Gradient communication is timed for DDP on Gloo only: NCCL futures complete when work is queued on
 a stream (host clocks would not see it) and FSDP has no comm hook; the comm keys are absent then.
 """
@@ -135,8 +138,9 @@ class Telemetry:
         """`model` is the raw model (its config gives layers and width), `wrapped` what DDP returned."""
         log_cfg = cfg.log
         self.info, self.monitor, self.n_params = info, monitor, n_params
-        self.comm = CommTimer.attach(wrapped, info)
-        self.comm_measured = self.comm is not None or info.world_size == 1
+        self.full = log_cfg.telemetry
+        self.comm = CommTimer.attach(wrapped, info) if self.full else None
+        self.comm_measured = self.full and (self.comm is not None or info.world_size == 1)
         self.samples_per_step = cfg.train.global_batch_size / info.world_size
         mcfg = getattr(model, "config", None)
         self.n_layer = getattr(mcfg, "num_hidden_layers", 0) or 0
@@ -181,13 +185,16 @@ class Telemetry:
     def collect(self, step: int) -> dict:
         """Gather the window from every rank (a collective: all ranks call it); rank 0 gets the keys."""
         start = time.perf_counter()
-        rows = dist.all_gather_floats([self.window[k] for k in WINDOW] + self._resources(), self.info)
+        resources = self._resources() if self.full else []
+        rows = dist.all_gather_floats([self.window[k] for k in WINDOW] + resources, self.info)
         self.window = dict.fromkeys(WINDOW, 0.0)
         record = {}
         if self.info.is_main and rows[0][0] > 0:
-            cols = {name: [row[i] for row in rows] for i, name in enumerate(WINDOW + RESOURCES)}
+            names = WINDOW + (RESOURCES if self.full else ())
+            cols = {name: [row[i] for row in rows] for i, name in enumerate(names)}
             record = self._record(cols)
-            self._check_stragglers(step, record["ranks/busy_time_s"])
+            if self.full:
+                self._check_stragglers(step, record["ranks/busy_time_s"])
         self.overhead_s += time.perf_counter() - start
         return record
 
@@ -206,6 +213,8 @@ class Telemetry:
         if self.comm_measured:
             rec["comm_time_s"] = _r(statistics.fmean(per_step("comm")))
             rec["comm_exposed_time_s"] = _r(statistics.fmean(per_step("comm_exposed")))
+        if not self.full:
+            return rec
         # (other ranks' windows also hold their wait for rank 0's logging, a few % on tiny steps)
         tokens, samples = sum(cols["tokens"]), sum(cols["samples"])
         rec["samples_per_s"] = _r(samples / wall)
@@ -219,7 +228,7 @@ class Telemetry:
         rec["ranks/step_time_s"] = [_r(v) for v in per_step("time")]
         rec["ranks/busy_time_s"] = [_r(v) for v in per_step("busy")]
         for key in RESOURCES:
-            if not any(math.isnan(v) for v in cols[key]):
+            if key in cols and not any(math.isnan(v) for v in cols[key]):
                 rec[f"ranks/{key}"] = [round(v, 1) for v in cols[key]]
         for key in self.peaks:
             if f"ranks/{key}" in rec:

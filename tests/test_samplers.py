@@ -117,3 +117,27 @@ def test_compact_permutation_is_numpys_permutation():
     for n in (1, 17, 100_003):
         got = permutation(n, np.random.default_rng([3, 1]))
         assert got.dtype == np.uint32 and np.array_equal(got, np.random.default_rng([3, 1]).permutation(n))
+
+
+def test_grouping_by_global_batch_balances_the_ranks_of_a_step():
+    """Unit = global batch: a step's micro-batches are one sorted run, so the ranks' longest sequences
+    (what each rank's step time follows) are close; unit = micro-batch pairs unrelated lengths."""
+    lengths = np.random.default_rng(0).integers(3, 60, size=8000)
+    micro, gbs, world = 32, 64, 2
+
+    def mean_gap(unit):
+        s = GlobalBatchSampler(len(lengths), gbs, micro, seed=3,
+                               order=length_grouped_order(lengths, micro, unit=unit))
+        gaps = []
+        for step in range(len(lengths) // gbs):
+            g = s.global_batch(step * gbs)
+            longest = [lengths[np.concatenate(s.rank_micro_batches(g, r, world))].max() for r in range(world)]
+            gaps.append(max(longest) - min(longest))
+        return np.mean(gaps), s.stream(0, len(lengths))
+
+    by_step, order = mean_gap(gbs)
+    by_micro, _ = mean_gap(micro)
+    assert sorted(order) == list(range(len(lengths)))
+    assert by_step < 1.0 < 5 * by_step < by_micro
+    legacy = length_grouped_order(lengths, micro)(0, np.random.default_rng(1))
+    assert np.array_equal(legacy, length_grouped_order(lengths, micro, unit=micro)(0, np.random.default_rng(1)))

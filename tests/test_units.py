@@ -49,6 +49,7 @@ from phalanx.model.build import (
     wrap,
 )
 from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl, restore_impl
+from phalanx.run.state import TrainState
 from phalanx.run.watchdog import Watchdog, summarize
 
 VOCAB, BLOCK, EMBD = 64, 16, 32
@@ -632,3 +633,15 @@ def test_hung_rank_waits_for_its_peers_reports_before_exiting(tmp_path):
     waiter.join(2.0)
     assert not waiter.is_alive()
     assert "rank(s) 1 did not reach the collective at step 3" in summarize(tmp_path)
+
+
+def test_train_state_keeps_the_data_order_of_its_checkpoint():
+    state = TrainState(step=5, samples_seen=80)
+    saved = json.loads(json.dumps(state.state_dict()))
+    assert saved["data_order"] == 2 and saved["version"] == 2
+    fresh = TrainState()
+    fresh.load_state_dict(saved)
+    assert fresh == state
+    old = TrainState()
+    old.load_state_dict({"step": 5, "samples_seen": 80})  # written before the field existed
+    assert old.data_order == 1 and old.step == 5

@@ -179,7 +179,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     resumed = _resume(cfg, ckpt, tr, state, info)
     start_step = state.step
     sampler = GlobalBatchSampler(len(task.train_set), t.global_batch_size, t.micro_batch_size, t.seed,
-                                 task.train_order())
+                                 task.train_order(state.data_order))
     monitor = Monitor(folder.root, enabled=info.is_main, progress=cfg.log.progress, max_steps=t.max_steps,
                       start_step=start_step, cfg=cfg)
     if resumed:

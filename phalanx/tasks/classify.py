@@ -81,10 +81,14 @@ class ClassifyTask(TaskBase):
         tok.model_input_names = tok.init_kwargs["model_input_names"] = names
         return tok
 
-    def train_order(self):
+    def train_order(self, data_order: int):
+        """Length-grouped: whole global batches of similar lengths (data order 2), so every rank's share of
+        a step takes about as long; data order 1 (older checkpoints) grouped single micro-batches."""
         if not self.cfg.data.group_by_length:
             return None
-        return length_grouped_order(self.train_set.lengths, self.cfg.train.micro_batch_size)
+        t = self.cfg.train
+        return length_grouped_order(self.train_set.lengths, t.micro_batch_size,
+                                    unit=t.global_batch_size if data_order >= 2 else t.micro_batch_size)
 
     # ---- model and steps --------------------------------------------------------------------
     @staticmethod

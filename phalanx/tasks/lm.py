@@ -87,7 +87,7 @@ class LMTask(TaskBase):
         self.train_set, self.val_set = blocks(data, cfg.model.block_size)
         check_enough(cfg, data)
 
-    def train_order(self):
+    def train_order(self, data_order: int):
         return None
 
     # ---- model and steps --------------------------------------------------------------------

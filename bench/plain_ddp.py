@@ -34,6 +34,9 @@ def main():
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vocab", type=int, default=4096)
+    # Defaults = phalanx's on CPU (fused AdamW, clip 1.0): the reference gets the same optimizer kernel.
+    p.add_argument("--optimizer", choices=["fused", "foreach", "loop"], default="fused")
+    p.add_argument("--clip", type=float, default=1.0, help="0 = no clipping")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     dist.init_process_group("gloo", init_method="env://")
@@ -42,7 +45,8 @@ def main():
     model = GPT2LMHeadModel(GPT2Config(vocab_size=a.vocab, n_positions=128, n_embd=256, n_layer=4, n_head=4,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     ddp = DDP(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **{"fused": {"fused": True}, "foreach": {"foreach": True},
+                                                            "loop": {"foreach": False}}[a.optimizer])
     data = Blocks(np.load(a.tokens, mmap_mode="r"), 128)
     sampler = DistributedSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=a.micro, sampler=sampler, drop_last=True)
@@ -52,6 +56,8 @@ def main():
         for batch in loader:
             loss = ddp(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
             loss.backward()
+            if a.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1

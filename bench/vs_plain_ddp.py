@@ -61,10 +61,10 @@ def run_phalanx(nproc, threads, steps, work, cache, extra) -> tuple[tuple[float,
     return rate(pts), pts[0][1] - t0
 
 
-def run_plain(nproc, threads, steps, tokens_file) -> tuple[tuple[float, float], float]:
+def run_plain(nproc, threads, steps, tokens_file, optimizer) -> tuple[tuple[float, float], float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(REPO / "bench" / "plain_ddp.py"), "--tokens", str(tokens_file), "--steps", str(steps),
-           "--threads", str(threads)]
+           "--threads", str(threads), "--optimizer", optimizer]
     t0 = time.time()
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
@@ -78,6 +78,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--extra", nargs="*", default=[], help="extra phalanx overrides for every phalanx run")
+    p.add_argument("--plain-optimizer", choices=["fused", "foreach", "loop"], default="fused",
+                   help="the plain loop's AdamW implementation (phalanx's default on CPU: fused)")
     p.add_argument("--variants", default="bf16,compile", help=f"phalanx columns beside the defaults: {','.join(VARIANTS)}")
     a = p.parse_args()
     variants = [v for v in a.variants.split(",") if v]
@@ -97,7 +99,7 @@ def main() -> None:
     for rep in range(a.repeats):
         for shape in SHAPES:
             for impl, extra in impls.items():  # alternating, so machine noise hits every column
-                fn = (lambda: run_plain(*shape, a.steps, tokens_file)) if extra is None else \
+                fn = (lambda: run_plain(*shape, a.steps, tokens_file, a.plain_optimizer)) if extra is None else \
                     (lambda: run_phalanx(*shape, a.steps, work, cache, extra))
                 results.setdefault((impl, shape), []).append(fn())
     # Best of the repeats: noise on a shared machine only ever slows a run down.
@@ -122,7 +124,7 @@ def main() -> None:
         speedup = best[(impl, (2, 1))][0] / best[(impl, (1, 1))][0]
         print(f"2-process speedup over 1 process x 1 thread ({impl}): {speedup:.2f}x")
     print(f"(best of {a.repeats} alternating runs; paired ratio: median over the {a.repeats} pairs; {a.steps} steps, first {WARMUP} skipped; "
-          f"extra: {a.extra or 'none'})")
+          f"extra: {a.extra or 'none'}; plain loop: AdamW {a.plain_optimizer}, clip 1.0)")
 
 
 if __name__ == "__main__":

@@ -105,21 +105,22 @@ def main() -> None:
     p.add_argument("--out", required=True, help="prefix of the per-rank step files")
     p.add_argument("--work", required=True)
     a = p.parse_args()
-    tok = AutoTokenizer.from_pretrained(a.final)
-    config = AutoConfig.from_pretrained(a.final)
-    if a.task == "classify":
-        data, collate = classification_data(tok, a.data, a.rows, a.max_length)
-        model = AutoModelForSequenceClassification.from_config(config)
-    else:
-        data, collate = lm_data(tok, a.data, a.block)
-        model = AutoModelForCausalLM.from_config(config)
-    collator = CountingCollator(collate)
     args = TrainingArguments(
         output_dir=a.work, max_steps=a.steps, per_device_train_batch_size=a.micro,
         gradient_accumulation_steps=a.accum, learning_rate=a.lr, warmup_steps=a.warmup,
         weight_decay=a.weight_decay, adam_beta2=a.beta2, logging_steps=10_000, save_strategy="no",
         report_to=[], disable_tqdm=True, ddp_backend="gloo", use_cpu=not torch.cuda.is_available(),
         train_sampling_strategy="group_by_length" if a.group else "random", seed=1337)
+    tok = AutoTokenizer.from_pretrained(a.final)
+    config = AutoConfig.from_pretrained(a.final)
+    with args.main_process_first():  # rank 0 writes the datasets cache, the others read it (the recipe)
+        if a.task == "classify":
+            data, collate = classification_data(tok, a.data, a.rows, a.max_length)
+        else:
+            data, collate = lm_data(tok, a.data, a.block)
+    auto = AutoModelForSequenceClassification if a.task == "classify" else AutoModelForCausalLM
+    model = auto.from_config(config)
+    collator = CountingCollator(collate)
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
     trainer.add_callback(StepClock(collator, a.accum, f"{a.out}-{args.process_index}.jsonl"))
     trainer.train()

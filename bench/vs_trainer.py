@@ -40,6 +40,12 @@ TASKS = {
 }
 
 
+def run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env(1))
+    if proc.returncode:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+
+
 def env(threads: int) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
 
@@ -81,8 +87,7 @@ def run_side(side: str, task: str, spec: dict, data: dict, work: Path, final: Pa
     out = work / f"{task}-{side}-{k}"
     if side.startswith("phalanx"):
         extra = ["log.telemetry=false"] if side == "phalanx-telem-off" else []
-        subprocess.run(phalanx_cmd(task, spec, data, work / "cache", out, spec["steps"], nproc, extra),
-                       check=True, capture_output=True, cwd=REPO, env=env(1))
+        run(phalanx_cmd(task, spec, data, work / "cache", out, spec["steps"], nproc, extra))
         return phalanx_rate(out, warmup)
     accum = spec["global"] // (spec["micro"] * nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
@@ -91,7 +96,7 @@ def run_side(side: str, task: str, spec: dict, data: dict, work: Path, final: Pa
            "--steps", str(spec["steps"]), "--lr", str(spec["lr"]), "--warmup", str(spec["warmup"]),
            "--weight-decay", str(spec["weight_decay"]), "--beta2", str(spec["beta2"]),
            "--out", str(out), "--work", str(work / "trainer-out"), *(["--group"] if side == "trainer-grouped" else [])]
-    subprocess.run(cmd, check=True, capture_output=True, cwd=REPO, env=env(1))
+    run(cmd)
     return trainer_rate(out, nproc, warmup)
 
 
@@ -121,8 +126,7 @@ def main() -> None:
         spec, data = TASKS[task], task_data(task, work, a.rows)
         # Untimed: tokenizer, token store and a final/ folder whose config + tokenizer the Trainer reuses.
         prep = work / f"{task}-prep"
-        subprocess.run(phalanx_cmd(task, spec, data, work / "cache", prep, 2, a.nproc), check=True,
-                       capture_output=True, cwd=REPO, env=env(1))
+        run(phalanx_cmd(task, spec, data, work / "cache", prep, 2, a.nproc))
         for k in range(a.repeats):
             for side in spec["sides"]:
                 r = run_side(side, task, spec, data, work, prep / "final", a.nproc, a.warmup, k)
@@ -131,7 +135,7 @@ def main() -> None:
                       f"pad {r['pad']:.3f}", flush=True)
     med = {key: {m: statistics.median(r[m] for r in runs) for m in ("useful_tps", "step_s", "pad")}
            for key, runs in results.items()}
-    print(f"\n| task | side | useful tokens/s (median) | runs | step time s | pad fraction |\n|---|---|---|---|---|---|")
+    print("\n| task | side | useful tokens/s (median) | runs | step time s | pad fraction |\n|---|---|---|---|---|---|")
     for (task, side), m in med.items():
         runs = ", ".join(f"{r['useful_tps']:.0f}" for r in results[(task, side)])
         print(f"| {task} | {side} | {m['useful_tps']:.0f} | {runs} | {m['step_s']:.3f} | {m['pad']:.3f} |")

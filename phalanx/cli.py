@@ -15,7 +15,9 @@ EXTRA_COMMANDS = {"report": ("phalanx.tools.report", "plots and a Markdown summa
                   "bench": ("phalanx.tools.bench", "scaling study: the same config at several world sizes"),
                   "doctor": ("phalanx.tools.doctor", "pre-flight checks of the distributed set-up"),
                   "predict": ("phalanx.tools.predict", "predict labels with a trained classifier (RUN/final)"),
-                  "generate": ("phalanx.tools.generate", "sample text from a trained language model (RUN/final)")}
+                  "generate": ("phalanx.tools.generate", "sample text from a trained language model (RUN/final)"),
+                  "sweep": ("phalanx.tools.sweep", "hyperparameter search whose trials are multi-process runs "
+                            "(Optuna)")}
 
 
 def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:

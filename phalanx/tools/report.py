@@ -2,6 +2,7 @@
 
     phalanx report RUN                 -> RUN/report.md and RUN/report/*.png
     phalanx report RUN1 RUN2 [...]     -> the same for each run, plus an overlay in --out
+    phalanx report SWEEP               -> SWEEP/report.md and SWEEP/report/*.png (tools/sweepreport.py)
 
 Works on a finished run (summary.json), a running one and a failed or killed one: everything is
 derived from metrics.jsonl, whose torn or garbled lines are skipped, and summary.json only adds to it.
@@ -18,6 +19,8 @@ import yaml
 
 from phalanx.core.config import ConfigError, config_hash, load_config
 from phalanx.core.runfolder import RunFolder
+from phalanx.tools.plots import pyplot, save_figure
+from phalanx.tools.sweepreport import is_sweep, report_sweep
 from phalanx.run.sinks import read_metrics
 from phalanx.run.stragglers import detect
 
@@ -200,15 +203,6 @@ def markdown(run: Run, plots: list[Path]) -> str:
 
 
 # ---- plots ------------------------------------------------------------------------------------
-def _plt():
-    import matplotlib  # lazy: plotting only, at the end
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _series(records: list[dict], key: str) -> tuple[list, list]:
     pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
     return [p[0] for p in pts], [p[1] for p in pts]
@@ -219,14 +213,6 @@ def _minutes(run: Run, records: list[dict]) -> list[float]:
     return [(r["time_s"] - t0) / 60 for r in records]
 
 
-def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    _plt().close(fig)
-    return path
-
-
 def _eval_keys(run: Run) -> list[str]:
     """Validation metrics other than the loss (accuracy, F1, ...): drawn on a second y axis."""
     skip = set(EVAL_COUNTS) | {"eval/loss", "eval/ppl"}
@@ -235,7 +221,7 @@ def _eval_keys(run: Run) -> list[str]:
 
 def plot_loss(runs: list[Run], path: Path) -> Path:
     """Training and validation loss (and other validation metrics) vs step and vs wall time."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     extra = sorted({k for run in runs for k in _eval_keys(run)})
     twins = [ax.twinx() for ax in axes] if extra else []
@@ -257,12 +243,12 @@ def plot_loss(runs: list[Run], path: Path) -> Path:
         if twins:
             twins[i].set_ylabel(", ".join(extra))
             twins[i].legend(fontsize=8, loc="center right")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_throughput(runs: list[Run], path: Path) -> Path:
     """Global tokens/s (and per rank for a single run) and MFU where known."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for run in runs:
         prefix = f"{run.name} " if len(runs) > 1 else ""
@@ -273,7 +259,7 @@ def plot_throughput(runs: list[Run], path: Path) -> Path:
     ax.set(xlabel="step", ylabel="tokens/s", title="training throughput")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _per_rank(records: list[dict], key: str) -> list[tuple[list, list]]:
@@ -285,7 +271,7 @@ def _per_rank(records: list[dict], key: str) -> list[tuple[list, list]]:
 
 def plot_memory(runs: list[Run], path: Path) -> Path:
     """Resident and peak host memory per rank, and CUDA memory where the run used a GPU."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     styles = (("ranks/rss_mb", "-", "RSS"), ("ranks/host_peak_mb", ":", "host peak"),
               ("ranks/cuda_allocated_mb", "-.", "CUDA allocated"), ("ranks/cuda_peak_mb", "--", "CUDA peak"))
@@ -300,12 +286,12 @@ def plot_memory(runs: list[Run], path: Path) -> Path:
     ax.set(xlabel="step", ylabel="MB", title="memory per rank")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_step_split(run: Run, path: Path) -> Path:
     """Where a step's time goes (mean over ranks), stacked; gradient all-reduce time drawn over it."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 4.5))
     rows = [r for r in run.train if all(k in r for k in SPLIT)]
     steps = [r["step"] for r in rows]
@@ -320,12 +306,12 @@ def plot_step_split(run: Run, path: Path) -> Path:
     ax.set(xlabel="step", ylabel="ms per step", title="step-time split")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_rank_times(run: Run, path: Path, stragglers: list[dict]) -> Path:
     """Per-rank busy time (step minus waiting for others) and wall-clock step time."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for rank, (steps, values) in enumerate(_per_rank(run.train, "ranks/busy_time_s")):
         ax.plot(steps, [v * 1e3 for v in values], "-", color=f"C{rank}", label=f"rank {rank} busy")
@@ -336,7 +322,7 @@ def plot_rank_times(run: Run, path: Path, stragglers: list[dict]) -> Path:
            title="per-rank step time" + (f" (stragglers: {named})" if named else " (no stragglers)"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # ---- commands ---------------------------------------------------------------------------------
@@ -378,6 +364,13 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    sweeps = [Path(r) for r in args.runs if is_sweep(Path(r))]
+    if sweeps:  # a sweep folder gets the sweep report (its trials are runs: report them one by one)
+        if len(sweeps) != len(args.runs):
+            raise ConfigError("report: sweep folders and run folders cannot be mixed in one call")
+        for path in (p for folder in sweeps for p in report_sweep(folder)):
+            print(path)
+        return 0
     try:
         runs = [load_run(r) for r in args.runs]
     except FileNotFoundError as e:

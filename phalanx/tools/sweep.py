@@ -97,6 +97,7 @@ class SweepRunner:
         import optuna
 
         self.optuna, self.sweep, self.out, self.slots, self.quiet = optuna, sweep, out, slots, quiet
+        self.storage = storage  # trial attributes are read and written through it by trial id
         self.study = optuna.create_study(storage=storage, study_name=sweep.name, sampler=sweep.make_sampler(),
                                          pruner=sweep.make_pruner(), direction=sweep.direction, load_if_exists=True)
         self.me = f"{os.uname().nodename}:{os.getpid()}"
@@ -157,9 +158,9 @@ class SweepRunner:
             if not (t.user_attrs.get("interrupted") or stale):
                 continue
             claim = f"{self.me}:{now}"
-            self.study._storage.set_trial_user_attr(t._trial_id, "owner", claim)
+            self.storage.set_trial_user_attr(t._trial_id, "owner", claim)
             time.sleep(1.0)  # two processes claiming at once: the last writer wins, the other backs off
-            if self.study._storage.get_trial(t._trial_id).user_attrs.get("owner") == claim:
+            if self.storage.get_trial(t._trial_id).user_attrs.get("owner") == claim:
                 return t
         return None
 
@@ -186,7 +187,7 @@ class SweepRunner:
         trial.set_user_attr("overrides", self.sweep.trial_overrides(params, seed))
         trial.set_user_attr("run_dir", str(self.out / "trials" / f"{trial.number:04d}"))
         trial.set_user_attr("owner", self.me)
-        return self.study._storage.get_trial(trial._trial_id)
+        return self.storage.get_trial(trial._trial_id)
 
     def _duplicate_of(self, number: int, params: dict, seed) -> int | None:
         """The lower-numbered live trial with the same point, if any (waiting a moment for one still being
@@ -211,9 +212,8 @@ class SweepRunner:
         slot = self.slots[index]
         folder = Path(trial.user_attrs["run_dir"])
         folder.mkdir(parents=True, exist_ok=True)
-        attrs = self.study._storage
-        attrs.set_trial_user_attr(trial._trial_id, "interrupted", False)
-        attrs.set_trial_user_attr(trial._trial_id, "heartbeat", time.time())
+        self.storage.set_trial_user_attr(trial._trial_id, "interrupted", False)
+        self.storage.set_trial_user_attr(trial._trial_id, "heartbeat", time.time())
         overrides = [*trial.user_attrs["overrides"], override("name", f"{self.sweep.name}-{trial.number:04d}")]
         env = dict(os.environ)
         if slot.gpus:
@@ -239,7 +239,7 @@ class SweepRunner:
         for index, r in list(self.running.items()):
             self._follow(r)
             if time.time() - r.beat > HEARTBEAT_S:
-                self.study._storage.set_trial_user_attr(r.trial_id, "heartbeat", time.time())
+                self.storage.set_trial_user_attr(r.trial_id, "heartbeat", time.time())
                 r.beat = time.time()
             if r.proc.poll() is not None:
                 del self.running[index]
@@ -277,7 +277,7 @@ class SweepRunner:
                     r.proc.send_signal(signal.SIGTERM)
 
     def _finish(self, r: Running) -> None:
-        storage, state = self.study._storage, self.optuna.trial.TrialState
+        storage, state = self.storage, self.optuna.trial.TrialState
         storage.set_trial_user_attr(r.trial_id, "steps", r.step)
         storage.set_trial_user_attr(r.trial_id, "wall_time_s",
                                     round(storage.get_trial(r.trial_id).user_attrs.get("wall_time_s", 0)
@@ -299,11 +299,11 @@ class SweepRunner:
         self._say(f"sweep: trial {r.number} {self._state_word(r)}; {self._progress_text(self._counts())}")
 
     def _fail(self, r: Running, reason: str) -> None:
-        self.study._storage.set_trial_user_attr(r.trial_id, "reason", reason)
+        self.storage.set_trial_user_attr(r.trial_id, "reason", reason)
         self.study.tell(r.number, state=self.optuna.trial.TrialState.FAIL)
 
     def _state_word(self, r: Running) -> str:
-        t = self.study._storage.get_trial(r.trial_id)
+        t = self.storage.get_trial(r.trial_id)
         if t.state.name == "COMPLETE":
             return f"complete: {self.sweep.metric} {t.value:.4g}"
         if t.state.name == "FAIL":

@@ -141,6 +141,23 @@ def test_two_sweep_processes_split_one_study(tmp_path, cache_dir):
     assert sorted(first + second) == sorted(r["number"] for r in rs)
 
 
+def test_seeds_repeat_each_configuration_and_the_report_ranks_by_the_mean(tmp_path, cache_dir):
+    path = write_sweep(tmp_path, cache_dir, space={"train.lr": [3e-3]}, seeds=[1, 2], parallel=2,
+                       extra=["train.max_steps=8"])
+    out = tmp_path / "sw"
+    phalanx("sweep", path, "--out", out, "--trials", 5, check=True, timeout=300)  # capped at grid x seeds = 2
+    rs = rows(out)
+    assert sorted(r["seed"] for r in rs) == [1, 2] and {r["params"]["train.lr"] for r in rs} == {3e-3}
+    losses = {r["seed"]: r["value"] for r in rs}
+    assert losses[1] != losses[2]  # the seed reached the trials (init and data order differ)
+    for r in rs:
+        assert yaml.safe_load((Path(r["run_dir"]) / "config.yaml").read_text())["train"]["seed"] == r["seed"]
+    (config,) = json.loads((out / "summary.json").read_text())["configs"]
+    assert config["n"] == 2 and config["mean"] == pytest.approx((losses[1] + losses[2]) / 2)
+    phalanx("report", out, check=True)
+    assert "Configurations over seeds" in (out / "report.md").read_text()
+
+
 @pytest.mark.parametrize("space,fields,message", [
     ({"train.lrr": [1e-3]}, {}, "space.train.lrr=0.001: unknown config key"),
     ({"train.lr": {"type": "uniform", "low": 1e-3, "high": 1e-4}}, {}, "space.train.lr: expected low < high"),

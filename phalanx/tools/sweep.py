@@ -103,7 +103,6 @@ class SweepRunner:
         self.me = f"{os.uname().nodename}:{os.getpid()}"
         self.running: dict[int, Running] = {}  # slot index -> trial
         self.stop: str | None = None
-        self.last_progress = ""
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -175,15 +174,15 @@ class SweepRunner:
             seed = self.sweep.seeds[0]
             trial.set_user_attr("seed", seed)
         params = {p.key: p.suggest(trial) for p in self.sweep.space}
-        if self.sweep.seeds and seed == self.sweep.seeds[0]:
-            for other in self.sweep.seeds[1:]:
-                self.study.enqueue_trial(params, user_attrs={"seed": other})
         trial.set_user_attr("ready", True)
         duplicate = self._duplicate_of(trial.number, params, seed)
         if duplicate is not None:
             trial.set_user_attr("duplicate_of", duplicate)
             self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
             return self._new_trial()
+        if self.sweep.seeds and seed == self.sweep.seeds[0]:
+            for other in self.sweep.seeds[1:]:
+                self.study.enqueue_trial(params, user_attrs={"seed": other})
         trial.set_user_attr("overrides", self.sweep.trial_overrides(params, seed))
         trial.set_user_attr("run_dir", str(self.out / "trials" / f"{trial.number:04d}"))
         trial.set_user_attr("owner", self.me)
@@ -365,8 +364,9 @@ class SweepRunner:
                    "sampler": self.sweep.sampler, "pruner": self.sweep.pruner, "trials_planned": self.sweep.trials,
                    "counts": self._counts(), "best": best, "configs": configs}
         write_text(self.out / "summary.json", json.dumps(summary, indent=1) + "\n")
-        if best:
-            cfg = yaml.safe_load((Path(best["run_dir"]) / "config.yaml").read_text())
+        best_config = Path(best["run_dir"]) / "config.yaml" if best else None
+        if best_config and best_config.exists():  # (a trial of another machine may live elsewhere)
+            cfg = yaml.safe_load(best_config.read_text())
             cfg.update(name=f"{self.sweep.name}-best", run_dir="", resume="auto")
             write_text(self.out / "best.yaml", f"# best trial {best['number']} of sweep {self.sweep.name}: "
                        f"{self.sweep.metric} {best['value']:.6g}\n" + yaml.safe_dump(cfg, sort_keys=False))

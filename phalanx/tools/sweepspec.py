@@ -232,13 +232,13 @@ def load_sweep(path: str | Path, *, parallel: int | None = None, trials: int | N
     sweep.heartbeat_grace_s = _number(path, "heartbeat_grace_s", raw.get("heartbeat_grace_s", 120.0), positive=True)
     default_trials = sweep.grid_size() if sweep.sampler == "grid" else 10
     sweep.trials = _number(path, "trials", raw.get("trials", default_trials), integer=True, positive=True)
-    if sweep.sampler == "grid":
-        sweep.trials = min(sweep.trials, sweep.grid_size())  # beyond the grid a sampler only repeats points
     sweep.pruner = _pruner(path, raw.get("pruner", "none"))
     if parallel is not None:
         sweep.parallel = _number(path, "--parallel", parallel, integer=True, positive=True)
     if trials is not None:
         sweep.trials = _number(path, "--trials", trials, integer=True, positive=True)
+    if sweep.sampler == "grid":
+        sweep.trials = min(sweep.trials, sweep.grid_size())  # beyond the grid a sampler only repeats points
     _check_trial_configs(sweep)
     return sweep
 

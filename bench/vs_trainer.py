@@ -119,6 +119,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--rows", type=int, default=8000, help="classify: SST-2 training rows")
     p.add_argument("--warmup", type=int, default=10, help="steps not timed")
+    p.add_argument("--sides", default="", help="only these sides, e.g. phalanx,phalanx-telem-off (default: all)")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="phalanx-vs-trainer-"))
     results: dict = {}
@@ -128,7 +129,7 @@ def main() -> None:
         prep = work / f"{task}-prep"
         run(phalanx_cmd(task, spec, data, work / "cache", prep, 2, a.nproc))
         for k in range(a.repeats):
-            for side in spec["sides"]:
+            for side in [s for s in spec["sides"] if not a.sides or s in a.sides.split(",")]:
                 r = run_side(side, task, spec, data, work, prep / "final", a.nproc, a.warmup, k)
                 results.setdefault((task, side), []).append(r)
                 print(f"{task} {side} run {k}: {r['useful_tps']:.0f} useful tok/s, {r['step_s']:.3f} s/step, "
@@ -142,6 +143,10 @@ def main() -> None:
     print("\n| task | ratio | value |\n|---|---|---|")
     for task in a.tasks.split(","):
         ours = med[(task, "phalanx")]
+        if (task, "trainer") not in med:  # --sides without the Trainer: only the telemetry cost
+            off = med[(task, "phalanx-telem-off")]["step_s"]
+            print(f"| {task} | telemetry cost: median step time on / off - 1 | {100 * (ours['step_s'] / off - 1):+.1f}% |")
+            continue
         same = "trainer-grouped" if (task, "trainer-grouped") in med else "trainer"
         print(f"| {task} | defaults: phalanx / trainer (useful tok/s) | {ours['useful_tps'] / med[(task, 'trainer')]['useful_tps']:.2f}x |")
         print(f"| {task} | same math: phalanx / {same} (useful tok/s) | {ours['useful_tps'] / med[(task, same)]['useful_tps']:.2f}x |")

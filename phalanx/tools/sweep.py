@@ -308,7 +308,7 @@ class SweepRunner:
         if t.state.name == "FAIL":
             return f"failed: {t.user_attrs.get('reason', 'non-finite metric')}"
         if t.state.name == "PRUNED":
-            return f"pruned at step {r.step}"
+            return f"pruned (stopped cleanly at step {r.step})"
         return f"interrupted at step {r.step}"
 
     def _stop_all(self) -> None:

@@ -57,7 +57,7 @@ def markdown(summary: dict, rows: list[dict], space: list[Param], importances: d
             "| trial | " + " | ".join(keys) + f" | seed | state | {metric} | steps | wall s | note |",
             "|---" * (len(keys) + 7) + "|"]
     for r in ranked:
-        note = r.get("reason") or (f"pruned at step {r['pruned_at_step']}" if r.get("pruned_at_step") else "")
+        note = r.get("reason") or (f"pruned, stopped at step {r['pruned_at_step']}" if r.get("pruned_at_step") else "")
         out.append(f"| {r['number']} | " + " | ".join(_fmt(r["params"].get(k)) for k in keys) +
                    f" | {_fmt(r['seed'])} | {r['state']} | {_fmt(r['value'])} | {r['steps']} | "
                    f"{_fmt(r['wall_time_s'])} | {note} |")
@@ -69,8 +69,11 @@ def markdown(summary: dict, rows: list[dict], space: list[Param], importances: d
             out.append("| " + " | ".join(_fmt(c["params"].get(k)) for k in keys) +
                        f" | {c['mean']:.4g} | {c['std']:.2g} | {c['n']} | {', '.join(map(str, c['trials']))} |")
     if importances:
-        out += ["", "## Parameter importances (fANOVA over completed trials)", "",
-                "| parameter | importance |", "|---|---|"]
+        n = sum(1 for r in rows if r["state"] == "COMPLETE")
+        out += ["", "## Parameter importances (fANOVA over completed trials)", ""]
+        if n < 10:
+            out += [f"({n} completed trials: too few for the forest to separate the parameters; read as rough)", ""]
+        out += ["| parameter | importance |", "|---|---|"]
         out += [f"| {k} | {v:.3f} |" for k, v in importances.items()]
     out += [""] + [f"![{p.stem}](report/{p.name})" for p in plots]
     return "\n".join(out) + "\n"

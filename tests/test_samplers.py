@@ -141,3 +141,34 @@ def test_grouping_by_global_batch_balances_the_ranks_of_a_step():
     assert by_step < 1.0 < 5 * by_step < by_micro
     legacy = length_grouped_order(lengths, micro)(0, np.random.default_rng(1))
     assert np.array_equal(legacy, length_grouped_order(lengths, micro, unit=micro)(0, np.random.default_rng(1)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 1000, 65_536, 65_537, 200_003])
+def test_feistel_order_is_a_permutation_computed_per_slice(n):
+    from phalanx.data.samplers import FeistelPermutation
+
+    full = FeistelPermutation(n, np.random.default_rng([3, 0]))[0:n]
+    assert np.array_equal(np.sort(full), np.arange(n))
+    again = FeistelPermutation(n, np.random.default_rng([3, 0]))
+    cuts = sorted({0, n, n // 3, n // 2, max(0, n - 5)})
+    assert np.array_equal(np.concatenate([again[a:b] for a, b in zip(cuts, cuts[1:])]), full)
+    if n >= 1000:
+        other = FeistelPermutation(n, np.random.default_rng([3, 1]))[0:n]  # next epoch: another order
+        assert (other != full).mean() > 0.99
+        assert abs(np.corrcoef(np.arange(n), full)[0, 1]) < 0.05  # no trace of the identity
+
+
+def test_lazy_order_keeps_sampler_guarantees_and_memory_flat():
+    """Data order 3: every sample once per epoch, any world size sees the same batches, and the sampler
+    holds no per-sample array however large the corpus."""
+    from phalanx.data.samplers import shuffled_order
+
+    n, gbs = 1003, 24
+    s = GlobalBatchSampler(n, gbs, 4, seed=9, order=shuffled_order(n, lazy=True))
+    stream = np.concatenate([s.global_batch(off) for off in range(0, 3 * n - gbs, gbs)])
+    for epoch in range(2):
+        assert np.array_equal(np.sort(stream[epoch * n:(epoch + 1) * n]), np.arange(n))
+    huge = GlobalBatchSampler(4_000_000_000, gbs, 4, seed=9, order=shuffled_order(4_000_000_000, lazy=True))
+    batch = huge.global_batch(123_456_789 * gbs)
+    assert len(set(batch.tolist())) == gbs and batch.max() < 4_000_000_000
+    assert sum(getattr(v, "nbytes", 0) for v in vars(huge.epoch_indices(0)).values()) < 2**20

@@ -638,7 +638,7 @@ def test_hung_rank_waits_for_its_peers_reports_before_exiting(tmp_path):
 def test_train_state_keeps_the_data_order_of_its_checkpoint():
     state = TrainState(step=5, samples_seen=80)
     saved = json.loads(json.dumps(state.state_dict()))
-    assert saved["data_order"] == 2 and saved["version"] == 2
+    assert saved["data_order"] == 3 and saved["version"] == 3
     fresh = TrainState()
     fresh.load_state_dict(saved)
     assert fresh == state

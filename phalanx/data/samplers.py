@@ -26,7 +26,73 @@ def permutation(n: int, rng: np.random.Generator) -> np.ndarray:
     return order
 
 
-def shuffled_order(n: int) -> EpochOrder:
+class FeistelPermutation:
+    """A seeded bijection of range(n) evaluated per position: `perm[a:b]` costs O(b - a) time and memory,
+    whatever n. A balanced Feistel network on the smallest even number of bits covering n (a bijection of
+    [0, 2^bits), at most 4n), restricted to [0, n) by cycle-walking: a value >= n is mapped again until it
+    falls inside, which keeps it a bijection. Rounds use a splitmix64 finaliser of (half, round key)."""
+    ROUNDS = 6
+    CHUNK = 1 << 16
+    _C1, _C2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+    def __init__(self, n: int, rng: np.random.Generator):
+        self.n = n
+        bits = max(2, (n - 1).bit_length())
+        self.half = np.uint64((bits + 1) // 2)
+        self.mask = np.uint64((1 << int(self.half)) - 1)
+        self.keys = rng.integers(0, 2**63, size=self.ROUNDS, dtype=np.uint64)
+        self._cached: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _round(self, r: np.ndarray, key: np.uint64) -> np.ndarray:
+        x = (r + key) * self._GOLDEN  # uint64 arrays wrap modulo 2^64 (no overflow warning for arrays)
+        x ^= x >> np.uint64(30)
+        x *= self._C1
+        x ^= x >> np.uint64(27)
+        x *= self._C2
+        x ^= x >> np.uint64(31)
+        return x & self.mask
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for key in self.keys:
+            left, right = right, left ^ self._round(right, key)
+        return (left << self.half) | right
+
+    def _values(self, start: int, stop: int) -> np.ndarray:
+        out = self._encrypt(np.arange(start, stop, dtype=np.uint64))
+        outside = out >= self.n
+        while outside.any():
+            out[outside] = self._encrypt(out[outside])
+            outside = out >= self.n
+        return out.astype(np.int64)
+
+    def _chunk(self, c: int) -> np.ndarray:
+        """Positions [c * CHUNK, (c + 1) * CHUNK): computed together (numpy's per-call cost and the longest
+        cycle-walk are paid once per 64K positions, not per batch) and the latest chunk kept (512 KB)."""
+        if self._cached[0] != c:
+            self._cached = (c, self._values(c * self.CHUNK, min(self.n, (c + 1) * self.CHUNK)))
+        return self._cached[1]
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        start, stop, _ = s.indices(self.n)
+        parts, pos = [], start
+        while pos < stop:
+            c = pos // self.CHUNK
+            base = c * self.CHUNK
+            hi = min(stop, base + self.CHUNK)
+            parts.append(self._chunk(c)[pos - base:hi - base])
+            pos = hi
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def shuffled_order(n: int, lazy: bool = False) -> EpochOrder:
+    """A random order of range(n) per epoch. lazy (data order 3): a FeistelPermutation, nothing stored;
+    else (data orders 1-2) the materialised permutation, one integer per sample per rank."""
+    if lazy:
+        return lambda epoch, rng: FeistelPermutation(n, rng)
     return lambda epoch, rng: permutation(n, rng)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 @dataclass
 class TrainState:
-    VERSION = 2
+    VERSION = 3
     step: int = 0                 # optimizer steps done
     samples_seen: int = 0         # the sampler's global offset: resumes the sample order on any world size
     tokens_seen: int = 0
@@ -20,10 +20,11 @@ class TrainState:
     consecutive_nan: int = 0
     fp16_overflows: int = 0       # fp16 loss-scaler overflows (skipped steps that are not NaN)
     train_time_s: float = 0.0
-    # How the task orders samples (Task.train_order): 2 = length groups of whole global batches; 1 (any
-    # checkpoint without the field) = of single micro-batches. A resume keeps its run's order, so an
-    # epoch in progress still sees every sample once.
-    data_order: int = 2
+    # How the task orders samples (Task.train_order): 3 = shuffles computed per batch (Feistel), length
+    # groups of whole global batches; 2 = a stored permutation, groups of whole global batches; 1 (any
+    # checkpoint without the field) = a stored permutation, groups of single micro-batches. A resume keeps
+    # its run's order, so an epoch in progress still sees every sample once.
+    data_order: int = 3
 
     def state_dict(self) -> dict:
         return {"version": self.VERSION, **dataclasses.asdict(self)}

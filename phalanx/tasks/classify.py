@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from phalanx.core.config import Config, ConfigError, hub_name
 from phalanx.data import labelled, labelled_store, prepare
 from phalanx.data import tokenizer as toks
-from phalanx.data.samplers import length_grouped_order
+from phalanx.data.samplers import length_grouped_order, shuffled_order
 from phalanx.model.build import build_classifier
 from phalanx.tasks.base import TaskBase
 
@@ -85,7 +85,7 @@ class ClassifyTask(TaskBase):
         """Length-grouped: whole global batches of similar lengths (data order 2), so every rank's share of
         a step takes about as long; data order 1 (older checkpoints) grouped single micro-batches."""
         if not self.cfg.data.group_by_length:
-            return None
+            return shuffled_order(len(self.train_set), lazy=data_order >= 3)
         t = self.cfg.train
         return length_grouped_order(self.train_set.lengths, t.micro_batch_size,
                                     unit=t.global_batch_size if data_order >= 2 else t.micro_batch_size)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from phalanx.core.config import Config, ConfigError
 from phalanx.data import lm_store, prepare, store
+from phalanx.data.samplers import shuffled_order
 from phalanx.data import tokenizer as toks
 from phalanx.model.build import build_causal_lm
 from phalanx.tasks.base import TaskBase
@@ -88,7 +89,9 @@ class LMTask(TaskBase):
         check_enough(cfg, data)
 
     def train_order(self, data_order: int):
-        return None
+        """A shuffled order per epoch, computed per global batch (data order 3), so memory per rank does not
+        grow with the corpus; older checkpoints keep the materialised permutation they started with."""
+        return shuffled_order(len(self.train_set), lazy=data_order >= 3)
 
     # ---- model and steps --------------------------------------------------------------------
     @staticmethod

@@ -241,7 +241,8 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
         "tokens_per_s": state.tokens_seen / max(state.train_time_s, 1e-9),
         "wall_time_s": round(time.time() - t_launch, 3),
         "startup_s": round((first_step_at or time.time()) - t_launch, 3),
-        "resumed_from_step": start_step, "optimizer_impl": optimizer_impl(tr.optimizer), **eval_metrics, **task.summary_extra(), **run.telemetry.summary()}
+        "resumed_from_step": start_step, "optimizer_impl": optimizer_impl(tr.optimizer),
+        **eval_metrics, **task.summary_extra(), **run.telemetry.summary()}
     if info.is_main:
         write_json(folder.summary, summary)
     shown = ", ".join(f"{k} {v:.4g}" for k, v in eval_metrics.items() if isinstance(v, float))

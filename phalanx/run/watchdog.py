@@ -59,7 +59,6 @@ class Watchdog:
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
 
-
     def _wait_for_peers(self) -> None:
         """Peers stuck in the same collective stop beating at about the same time, so their reports follow
         within about one timeout; the cap keeps a lost peer (another node's folder) from holding us long."""

@@ -57,7 +57,6 @@ class Running:
     offset: int = 0           # bytes of metrics.jsonl read so far
     step: int = 0             # last training step seen
     pruned: bool = False
-    stopping: bool = False
     beat: float = 0.0
     reported: set = field(default_factory=set)
 
@@ -270,8 +269,8 @@ class SweepRunner:
                 trial = trial or self.optuna.trial.Trial(self.study, r.trial_id)
                 trial.report(float(value), step)
                 r.reported.add(step)
-                if trial.should_prune() and not r.stopping:
-                    r.pruned = r.stopping = True
+                if trial.should_prune():
+                    r.pruned = True
                     self._say(f"sweep: trial {r.number} pruned at step {step} ({self.sweep.metric} {value:.4g})")
                     r.proc.send_signal(signal.SIGTERM)
 

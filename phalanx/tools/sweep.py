@@ -281,7 +281,7 @@ class SweepRunner:
                                     round(storage.get_trial(r.trial_id).user_attrs.get("wall_time_s", 0)
                                           + time.time() - r.started, 3))
         code = r.proc.returncode
-        if r.pruned:
+        if r.pruned and code != EXIT_OK:  # (a trial that finished before the SIGTERM landed is COMPLETE)
             storage.set_trial_user_attr(r.trial_id, "pruned_at_step", r.step)
             self.study.tell(r.number, state=state.PRUNED)
         elif code == EXIT_PREEMPTED or (self.stop and code != EXIT_OK):  # stopped by us (or preempted)

@@ -5,9 +5,15 @@ never builds a model.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from phalanx.core.config import ModelConfig, hub_name
+
+# Master weights are fp32 whatever dtype a checkpoint was saved in (transformers 5 loads with
+# dtype="auto", so a bf16/fp16 hub model would otherwise train 16-bit weights with 16-bit AdamW state,
+# and fp16 GradScaler refuses to unscale fp16 gradients); train.precision decides the compute dtype.
+MASTER_DTYPE = torch.float32
 
 
 def quiet_transformers() -> None:
@@ -44,7 +50,7 @@ def build_causal_lm(m: ModelConfig, vocab_size: int, eos_id: int) -> nn.Module:
     )
 
     if m.pretrained:
-        return AutoModelForCausalLM.from_pretrained(hub_name(m.pretrained))
+        return AutoModelForCausalLM.from_pretrained(hub_name(m.pretrained), dtype=MASTER_DTYPE)
     if m.arch == "gpt2":
         cfg = GPT2Config(vocab_size=vocab_size, n_positions=m.block_size, n_embd=m.n_embd, n_layer=m.n_layer,
                          n_head=m.n_head, resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
@@ -73,7 +79,7 @@ def build_classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: i
     if m.pretrained:
         return AutoModelForSequenceClassification.from_pretrained(
             hub_name(m.pretrained), num_labels=len(id2label), id2label=id2label, label2id=label2id,
-            ignore_mismatched_sizes=True)
+            ignore_mismatched_sizes=True, dtype=MASTER_DTYPE)
     common = dict(vocab_size=vocab_size, pad_token_id=pad_id, num_labels=len(id2label), id2label=id2label,
                   label2id=label2id)
     if m.arch == "distilbert":

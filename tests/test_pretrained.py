@@ -1,0 +1,58 @@
+"""Pretrained checkpoints saved in 16 bit load as fp32 master weights; train.precision decides compute.
+
+transformers 5 loads `dtype="auto"`: without phalanx asking for fp32, a bf16/fp16 folder (most hub models)
+would train 16-bit weights with 16-bit AdamW state, and fp16 GradScaler would refuse to unscale fp16
+gradients ("Attempting to unscale FP16 gradients").
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SHAKESPEARE, TINY_LM, phalanx
+from safetensors import safe_open
+
+from phalanx.core.config import load_config
+from phalanx.data import tokenizer as toks
+from phalanx.model.build import build_causal_lm
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+def half_folder(request, tmp_path_factory):
+    """A tiny GPT-2 with its tokenizer, saved with save_pretrained in 16 bit."""
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp(f"gpt2-{request.param}")
+    tok = PreTrainedTokenizerFast(tokenizer_object=toks.train_bpe([SHAKESPEARE.read_text()[:50_000]], 512),
+                                  **toks.SPECIALS["bpe"])
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=64, n_layer=2, n_head=2,
+                                       eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id))
+    model.to(getattr(torch, request.param)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder, getattr(torch, request.param)
+
+
+def test_half_precision_checkpoint_loads_as_fp32(half_folder):
+    folder, saved = half_folder
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:  # the file really is 16 bit
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    assert {t.dtype for t in stored.values()} == {saved}
+    cfg = load_config(None, [f"model.pretrained={folder}"])
+    model = build_causal_lm(cfg.model, 0, 0)
+    params = dict(model.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.float32}
+    for name, value in stored.items():  # the same numbers, upcast exactly
+        if name in params:
+            assert torch.equal(params[name], value.float()), name
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_train_from_a_half_precision_checkpoint(half_folder, precision, tmp_path, cache_dir):
+    """fp16 autocast + GradScaler on a 16-bit checkpoint trains (it raised in unscale_ before)."""
+    folder, _ = half_folder
+    run = tmp_path / "run"
+    phalanx("train", f"data.train={SHAKESPEARE}", f"data.cache_dir={cache_dir}", "--run-dir", run, *TINY_LM,
+            f"model.pretrained={folder}", "train.max_steps=2", f"train.precision={precision}",
+            check=True, timeout=180)
+    with safe_open(str(run / "final" / "model.safetensors"), "pt") as f:  # exported master weights: fp32
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}

@@ -20,6 +20,7 @@ import yaml
 
 from phalanx.core.errors import ConfigError  # noqa: F401  (re-exported: `from phalanx.config import ConfigError`)
 from phalanx.core.faults import parse_fault
+from phalanx.core.registry import TASKS
 from phalanx.core.runfolder import write_text
 
 
@@ -187,7 +188,8 @@ class DebugConfig:
 
 @dataclass
 class Config:
-    task: str = _f("lm", "what to train", choices=["lm", "classify"])
+    task: str = _f("lm", "what to train: " + "; ".join(f"{t.name} = {t.help}" for t in TASKS.values()),
+                   choices=list(TASKS))
     name: str = _f("", "run name; default = the config file name, or 'default'")
     run_dir: str = _f("", "run folder; default = runs/<name>")
     resume: str = _f("auto", "auto = continue from the run folder's latest checkpoint if there is one; "

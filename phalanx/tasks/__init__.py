@@ -4,23 +4,19 @@
 """
 from __future__ import annotations
 
+import importlib
 import sys
 
 from phalanx.core.config import Config
+from phalanx.core.registry import task_spec
 from phalanx.data.hub import check_hub_names
 from phalanx.tasks.base import Task
 
 
 def get_task(name: str) -> type[Task]:
-    if name == "lm":
-        from phalanx.tasks.lm import (
-            LMTask,  # lazy: only the chosen task's module is imported
-        )
-        return LMTask
-    if name == "classify":
-        from phalanx.tasks.classify import ClassifyTask
-        return ClassifyTask
-    raise ValueError(f"unknown task {name!r}")
+    """The Task class registered under `name` (core/registry.py); only its module is imported."""
+    module, _, cls = task_spec(name).impl.partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def prepare_data(cfg: Config, workers: int = 0, progress: bool | None = None) -> dict:

@@ -25,6 +25,7 @@ import torch.distributed as tdist
 from phalanx.core import host
 from phalanx.core.config import ConfigError, check_world, hub_name, load_config
 from phalanx.core.dist import free_port, pick_backend
+from phalanx.core.registry import TASKS
 from phalanx.tasks import get_task
 from phalanx.tools.launch import parse_nnodes
 
@@ -247,7 +248,7 @@ def estimate_memory(cfg, world: int) -> dict:
     shard = world if cfg.train.strategy == "fsdp" else 1
     act_scale = 1.0 if cfg.train.precision in ("bf16", "fp16") else 2.0
     activations = layers * s * b * h * (34 + 5 * heads * s / h) * act_scale
-    if cfg.task == "lm":
+    if TASKS[cfg.task].token_logits:
         activations += 3 * b * s * mc.vocab_size * 4
     gathered = 2 * 4 * n / max(layers, 1) if shard > 1 else 0  # FSDP: a block unsharded (+ prefetch)
     return {"parameters": n, "weights": 4 * n / shard + gathered, "gradients": 4 * n / shard,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from phalanx.core.config import ConfigError
+from phalanx.core.config import ConfigError, load_config
+from phalanx.core.registry import check_command
 from phalanx.core.runfolder import EXIT_OK, RunFolder
 from phalanx.model.build import load_causal_lm
 
@@ -22,7 +23,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    if not RunFolder(args.run).final.is_dir():
+    folder = RunFolder(args.run)
+    if folder.config.is_file():  # a run folder (a bare Hugging Face folder has no config: taken as is)
+        check_command(load_config(str(folder.config), check_paths=False).task, "generate", args.run)
+    if not folder.final.is_dir():
         raise ConfigError(f"run '{args.run}': no final/ model (has the run finished?)")
     print(generate(args.run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
     return EXIT_OK
@@ -32,8 +36,10 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int = 100, temperature: 
              top_k: int = 50, seed: int = 0) -> str:
     """Sample a continuation of `prompt` from RUN/final (a plain transformers model)."""
     model, tokenizer = load_causal_lm(RunFolder(run_dir).final)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
     torch.manual_seed(seed)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 1024)
     ids = ids[:, -(limit - max_new_tokens):] if ids.shape[1] + max_new_tokens > limit else ids
     with torch.no_grad():

@@ -14,6 +14,7 @@ import torch
 
 from phalanx.core import dist
 from phalanx.core.config import Config, ConfigError, load_config
+from phalanx.core.registry import check_command
 from phalanx.core.runfolder import EXIT_FAILED, EXIT_OK, RunFolder, write_text
 from phalanx.data import labelled
 from phalanx.model.build import load_classifier
@@ -38,8 +39,7 @@ def _run_config(run: str) -> Config:
     if not (folder.final / "config.json").is_file() or not folder.config.is_file():
         raise ConfigError(f"run '{run}': no final/ model or config.yaml (has the run finished?)")
     cfg = load_config(str(folder.config), check_paths=False)
-    if cfg.task != "classify":
-        raise ConfigError(f"run '{run}': task is '{cfg.task}', predict needs a 'classify' run")
+    check_command(cfg.task, "predict", run)
     return cfg
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.core.config import ConfigError, load_config, read_yaml
+from phalanx.core.registry import TASKS
 
 KINDS = ("choice", "int", "uniform", "loguniform")
 SAMPLERS = ("grid", "random", "tpe")
@@ -34,7 +35,6 @@ PRUNERS = {"none": {},
            "hyperband": {"min_resource": 1, "max_resource": "auto", "reduction_factor": 3}}
 TOP_KEYS = {"config", "overrides", "space", "metric", "direction", "sampler", "sampler_seed", "trials", "pruner",
             "parallel", "nproc_per_trial", "seeds", "heartbeat_grace_s"}
-EVAL_KEYS = {"lm": ("eval/loss", "eval/ppl"), "classify": ("eval/loss", "eval/accuracy", "eval/macro_f1")}
 
 
 @dataclass
@@ -271,6 +271,6 @@ def _check_trial_configs(sweep: Sweep) -> None:
                 raise ConfigError(f"sweep file '{sweep.path}': space.{p.key}={value!r}: {e}") from None
     if "run_dir" in {p.key for p in sweep.space} or any(o.startswith("run_dir=") for o in sweep.overrides):
         raise _fail(sweep.path, "run_dir", "not set: each trial runs in SWEEP/trials/NNNN")
-    known = EVAL_KEYS.get(cfg.task, ())
+    known = TASKS[cfg.task].eval_metrics
     if sweep.metric not in known:
         raise _fail(sweep.path, "metric", f"one of {', '.join(known)} (task {cfg.task})", sweep.metric)

@@ -1,0 +1,50 @@
+"""The task registry: every task's name, where its implementation lives, and what the torch-free parts of
+phalanx need to know about it (config choices, sweep metrics, which commands use a finished run).
+
+A task's class is imported only when that task runs (`phalanx.tasks.get_task`); everything here is plain
+data, so `phalanx config`, `phalanx report` and `phalanx sweep` never import torch for it. Adding a task is
+one entry here plus its module under phalanx/tasks/.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phalanx.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    impl: str                       # "module:Class" of the Task implementation
+    help: str
+    eval_metrics: tuple[str, ...]   # evaluation keys a sweep may optimise (metrics.jsonl / summary.json)
+    uses: tuple[str, ...]           # commands that use a finished run of this task (RUN/final)
+    token_logits: bool              # the model outputs vocabulary logits at every position (memory plan)
+
+
+TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
+    TaskSpec("lm", "phalanx.tasks.lm:LMTask", "causal language modelling on packed token blocks",
+             ("eval/loss", "eval/ppl"), ("generate",), True),
+    TaskSpec("classify", "phalanx.tasks.classify:ClassifyTask", "text (or text-pair) classification",
+             ("eval/loss", "eval/accuracy", "eval/macro_f1"), ("predict",), False),
+)}
+
+# Every command that uses a finished run, and what it does (for the error naming the right one).
+RUN_COMMANDS = {"generate": "samples text from a language model", "predict": "labels texts with a classifier"}
+
+
+def task_spec(name: str) -> TaskSpec:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ConfigError(f"config key 'task': unknown task {name!r}, expected one of {list(TASKS)}") from None
+
+
+def check_command(task: str, command: str, run: str) -> None:
+    """`phalanx COMMAND RUN` applies to this run's task, or a one-line ConfigError saying which would."""
+    spec = task_spec(task)
+    if command not in spec.uses:
+        others = ", ".join(f"`phalanx {c}`" for c in spec.uses) or "no command"
+        raise ConfigError(f"run '{run}': task is '{task}'; `phalanx {command}` {RUN_COMMANDS.get(command, '')} "
+                          f"and applies to {', '.join(t.name for t in TASKS.values() if command in t.uses)} runs; "
+                          f"for this run use {others}")

@@ -21,6 +21,11 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /workspace
 
+# A C/C++ compiler: train.compile needs one (inductor writes C++ on CPU; Triton builds its launcher in C
+# on CUDA), and the slim image has none.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first, in its own layer: code changes rebuild only the layers below.
 RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
 

@@ -33,7 +33,8 @@ def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]",
                    help="a YAML config (default: the built-in one) and dotted overrides such as train.lr=3e-4")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="worker processes on this node")
+    p.add_argument("--nproc-per-node", default="auto", help="worker processes on this node; auto = one per "
+                   "visible GPU with NCCL, else 1")
     p.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX for elastic membership")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous (multi-node)")
     p.add_argument("--rdzv-id", default="", help="job id shared by all nodes of a run (multi-node)")
@@ -62,12 +63,27 @@ def cmd_train(args) -> int:
     cfg = load_config(config, overrides)
     # Started by torchrun/srun as one worker: be it. Launcher flags mean "start my own workers", which
     # a Slurm job with one task per node or a Kubernetes pod (whose operator sets RANK/WORLD_SIZE) asks for.
-    launcher_flags = args.nnodes != "1" or args.rdzv_endpoint or args.nproc_per_node > 1
+    launcher_flags = args.nnodes != "1" or args.rdzv_endpoint or args.nproc_per_node != "auto"
     if (dist.under_torchrun() or dist.under_srun()) and not launcher_flags:
         return run_as_worker(cfg)
-    return launch(cfg, args.nproc_per_node, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+    nproc = nproc_per_node(args.nproc_per_node, cfg.dist.backend)
+    return launch(cfg, nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                   rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, fresh=args.fresh,
                   force_resume=args.force_resume)
+
+
+def nproc_per_node(value: str, backend: str) -> int:
+    """--nproc-per-node: a whole number, or auto (one per visible GPU with NCCL, else 1; said on stdout)."""
+    from phalanx.core import dist
+
+    if value == "auto":
+        n, why = dist.auto_nproc(dist.pick_backend(backend))
+        print(f"phalanx: --nproc-per-node auto = {n} ({why})", flush=True)
+        return n
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"--nproc-per-node: expected a whole number >= 1 or auto, got {value!r}") from None
 
 
 def cmd_prepare(args) -> int:

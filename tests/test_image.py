@@ -129,6 +129,14 @@ def test_dockerfile_installs_pinned_torch_from_the_build_arg_then_phalanx():
     assert steps.index(("RUN", runs[phalanx_install])) > copy
 
 
+def test_dockerfile_installs_the_compilers_train_compile_needs():
+    """train.compile builds code at run time (C++ on CPU, Triton's C launcher on CUDA); the slim base has no
+    compiler, so without this step compile would crash at the first step in the project's own image."""
+    installs = [shlex.split(cmd) for op, cmd in dockerfile() if op == "RUN" and "apt-get" in cmd]
+    words = {w for cmd in installs for w in cmd}
+    assert {"gcc", "g++"} <= words, installs
+
+
 def test_dockerfile_runs_phalanx_in_the_examples_working_directory():
     steps = dict(dockerfile())  # last one of each instruction wins, as in Docker
     assert json.loads(steps["ENTRYPOINT"]) == ["phalanx"]  # exec form

@@ -185,5 +185,5 @@ def test_bad_sweep_is_exit_2_before_any_trial_and_oversubscription_is_refused(tm
     proc = phalanx("sweep", big, "--out", out)
     assert proc.returncode == 2 and "parallel 64 x nproc_per_trial 64 = 4096 processes" in proc.stderr
     assert not out.exists()
-    slots = plan_slots(load_sweep(big), gpus=0, oversubscribe=True)
+    slots = plan_slots(load_sweep(big), gpus=[], oversubscribe=True)
     assert len(slots) == 64 and all(s.threads >= 1 for s in slots)

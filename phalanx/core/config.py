@@ -124,6 +124,9 @@ class TrainConfig:
                         "(CUDA compute capability >= 8.0, or a CPU with AVX512-BF16/AMX), else fp32; fp16 "
                         "adds a dynamic loss scaler whose state is checkpointed",
                         choices=["auto", "fp32", "bf16", "fp16"])
+    tf32: bool = _f(False, "CUDA (Ampere and newer): run fp32 matrix multiplies and convolutions on TF32 tensor "
+                    "cores (several times faster, 10-bit mantissa inputs, fp32 accumulation); torch's default is "
+                    "off. No effect on CPU or on what autocast computes in bf16/fp16")
     compile: bool = _f(False, "torch.compile the model for training steps (the uncompiled model is "
                        "saved, evaluated and exported)")
     strategy: str = _f("ddp", "data parallel strategy: ddp = full replica per process; fsdp = FSDP2 "

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as tdist
 
 from phalanx.core import host
+from phalanx.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,34 @@ def slurm_env() -> dict[str, str]:
     return {"RANK": e["SLURM_PROCID"], "WORLD_SIZE": str(ntasks), "LOCAL_RANK": e.get("SLURM_LOCALID", "0"),
             "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": e.get("SLURM_NODEID", "0"),
             "MASTER_ADDR": master, "MASTER_PORT": port}
+
+
+def device_index(local_rank: int, local_world: int, count: int, per_task_gpu: bool) -> int:
+    """The CUDA device of this worker: one per local rank. A worker that sees exactly one GPU uses it only
+    where each task was given its own (srun --gpus-per-task=1 sets CUDA_VISIBLE_DEVICES per task);
+    under one launcher every local worker sees the same list, so too few GPUs is an error, not a
+    silent pile-up on cuda:0 (NCCL would stop with 'Duplicate GPU detected')."""
+    if count == 1 and per_task_gpu:
+        return 0
+    if local_rank < count:
+        return local_rank
+    raise ConfigError(f"{local_world} processes on this node but {count} visible GPU(s) (CUDA_VISIBLE_DEVICES="
+                      f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): NCCL needs one GPU per process")
+
+
+def check_gpu_count(backend: str, nproc_per_node: int, visible: int) -> str | None:
+    """Launcher pre-flight: None when every local NCCL process gets its own GPU, else the problem."""
+    if backend != "nccl" or nproc_per_node <= visible:
+        return None
+    return (f"--nproc-per-node {nproc_per_node}: {nproc_per_node} processes but {visible} visible GPU(s); NCCL "
+            f"needs one GPU per process (use --nproc-per-node {max(visible, 1)}, or dist.backend=gloo on the CPU)")
+
+
+def auto_nproc(backend: str) -> tuple[int, str]:
+    """--nproc-per-node auto: one process per visible GPU with NCCL (as torchrun's 'gpu'), else 1."""
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.cuda.device_count(), "one per visible GPU"
+    return 1, "no GPU: one process"
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -129,10 +158,8 @@ def setup(backend_req: str = "auto", *, timeout_s: float = 600.0, threads: int =
     local_world = int(e.get("LOCAL_WORLD_SIZE", "1"))
     backend = pick_backend(backend_req)
     if backend == "nccl":
-        # One device per local rank; a worker that sees a single GPU (srun --gpus-per-task=1 sets
-        # CUDA_VISIBLE_DEVICES per task) uses that one. set_device before any CUDA work, so no
-        # context lands on device 0.
-        index = 0 if torch.cuda.device_count() == 1 else local_rank
+        # set_device before any CUDA work, so no context lands on device 0.
+        index = device_index(local_rank, local_world, torch.cuda.device_count(), under_srun())
         torch.cuda.set_device(index)
         device = torch.device("cuda", index)
         os.environ.update(nccl or {})  # before the communicator is created, which reads them

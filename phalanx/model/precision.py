@@ -9,6 +9,7 @@ bad choice fails fast with exit code 2) and in each worker (which reports what i
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 
 import torch
@@ -80,13 +81,18 @@ def make_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.Gr
 
 
 def check_compile(device_type: str) -> None:
-    """torch.compile's CPU backend (inductor) generates C++: fail before start-up without a compiler."""
-    if device_type != "cpu":
-        return
-    from torch._inductor import config as inductor_config  # lazy: inductor loads only with train.compile
+    """torch.compile generates code that a compiler on PATH must build, so fail before start-up without
+    one: on CPU inductor writes C++ (g++/clang++, or $CXX); on CUDA, Triton compiles its kernel launcher
+    in C at the first step (cc/gcc/clang, or $CC)."""
+    if device_type == "cpu":
+        from torch._inductor import config as inductor_config  # lazy: inductor loads only with train.compile
 
-    configured = inductor_config.cpp.cxx  # e.g. (None, "g++"), honouring $CXX
-    names = [c for c in (configured if isinstance(configured, tuple) else (configured,)) if c]
+        configured = inductor_config.cpp.cxx  # e.g. (None, "g++"), honouring $CXX
+        names = [c for c in (configured if isinstance(configured, tuple) else (configured,)) if c]
+        what = "a C++ compiler (g++ or clang++)"
+    else:
+        names = [c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c]
+        what = "a C compiler (gcc, clang or $CC; Triton builds its kernel launcher with it)"
     if not any(shutil.which(c) for c in names):
-        raise ConfigError("config key 'train.compile': torch.compile on CPU needs a C++ compiler (g++ or "
-                          "clang++) on PATH; install one or set train.compile=false")
+        raise ConfigError(f"config key 'train.compile': torch.compile on {device_type.upper()} needs {what} on "
+                          f"PATH; install one or set train.compile=false")

@@ -47,12 +47,28 @@ WINDOW = ("steps", "time", "data", "sync", "fwd_bwd", "optimizer", "comm", "comm
           "tokens", "samples", "loss", "targets", "global_tokens", "useful")
 RESOURCES = ("cpu_percent", "rss_mb", "host_peak_mb", "cuda_allocated_mb", "cuda_peak_mb")
 
-# Dense peak TFLOP/s per GPU: (16-bit tensor cores, fp32). Matched against torch.cuda.get_device_name
-# in order, so more specific names come first. Override with log.peak_tflops.
-GPU_PEAK_TFLOPS = (("H100 PCIe", 756, 51), ("H100", 989, 67), ("H200", 989, 67), ("GH200", 989, 67),
-                   ("B200", 2250, 80), ("A100", 312, 19.5), ("L40S", 362, 91.6), ("A10", 125, 31.2),
-                   ("L4", 121, 30.3), ("V100", 125, 15.7), ("T4", 65, 8.1), ("RTX 4090", 165, 82.6),
-                   ("RTX 3090", 71, 35.6))
+# Dense (no sparsity) peak TFLOP/s per GPU model: (16-bit tensor cores, fp32), from NVIDIA's datasheets.
+# Keyed by the model and its form factor as torch.cuda.get_device_name spells them (gpu_model), matched
+# exactly: "H100 NVL" is not the SXM part, "L40" is not "L4", "A10G" is not "A10". A model not listed
+# has no MFU unless log.peak_tflops is set.
+GPU_PEAK_TFLOPS = {("H100", ""): (989, 67), ("H100", "PCIe"): (756, 51), ("H100", "NVL"): (835, 60),
+                   ("H200", ""): (989, 67), ("H200", "NVL"): (835, 60), ("GH200", ""): (989, 67),
+                   ("B200", ""): (2250, 80), ("A100", ""): (312, 19.5), ("A100", "PCIe"): (312, 19.5),
+                   ("L40S", ""): (362, 91.6), ("L40", ""): (181, 90.5), ("L4", ""): (121, 30.3),
+                   ("A10", ""): (125, 31.2), ("V100", ""): (125, 15.7), ("V100", "PCIe"): (112, 14),
+                   ("T4", ""): (65, 8.1), ("RTX 4090", ""): (165, 82.6), ("RTX 3090", ""): (71, 35.6)}
+_VENDOR_WORDS = {"NVIDIA", "Tesla", "GeForce", "Quadro"}
+_FORM_FACTORS = {"PCIe": "PCIe", "NVL": "NVL"}  # SXM parts (e.g. "A100-SXM4-80GB", "H100 80GB HBM3") are the default
+
+
+def gpu_model(name: str) -> tuple[str, str]:
+    """('H100', 'NVL') from 'NVIDIA H100 NVL'; ('A100', '') from 'NVIDIA A100-SXM4-80GB'."""
+    words = [w for w in name.replace("-", " ").split() if w not in _VENDOR_WORDS]
+    if not words:
+        return "", ""
+    model = " ".join(words[:2]) if words[0] == "RTX" and len(words) > 1 else words[0]
+    form = next((_FORM_FACTORS[w] for w in words[1:] if w in _FORM_FACTORS), "")
+    return model, form
 
 
 def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: float) -> float:
@@ -68,10 +84,10 @@ def peak_tflops(configured: float, device: torch.device, amp_dtype) -> tuple[flo
     if device.type != "cuda":
         return 0.0, "unknown (set log.peak_tflops)"
     name = torch.cuda.get_device_name(device)
-    for pattern, half, single in GPU_PEAK_TFLOPS:
-        if pattern in name:
-            return (half if amp_dtype in (torch.bfloat16, torch.float16) else single), name
-    return 0.0, f"unknown GPU {name!r} (set log.peak_tflops)"
+    peaks = GPU_PEAK_TFLOPS.get(gpu_model(name))
+    if peaks is None:
+        return 0.0, f"unknown GPU {name!r} (set log.peak_tflops)"
+    return float(peaks[0] if amp_dtype in (torch.bfloat16, torch.float16) else peaks[1]), name
 
 
 def host_peak_mb() -> float:

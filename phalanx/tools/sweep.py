@@ -30,6 +30,7 @@ import yaml
 
 from phalanx.core.config import ConfigError
 from phalanx.core.host import cores as available_cores
+from phalanx.core.host import gpu_ids
 from phalanx.core.runfolder import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, RunFolder, read_json, write_text
 from phalanx.tools.sweepspec import Sweep, load_sweep, override
 
@@ -42,7 +43,7 @@ STOP_WAIT_S = 180.0  # a trial's checkpoint on SIGTERM; then it is killed
 class Slot:
     """Where one trial runs: its CPU cores (affinity) or GPUs, and threads per worker."""
     cores: list[int]
-    gpus: list[int]
+    gpus: list[str]     # CUDA_VISIBLE_DEVICES entries
     threads: int
 
 
@@ -61,15 +62,21 @@ class Running:
     reported: set = field(default_factory=set)
 
 
-def plan_slots(sweep: Sweep, gpus: int, oversubscribe: bool) -> list[Slot]:
-    """Split this machine between `parallel` trials of `nproc_per_trial` processes each."""
+def plan_slots(sweep: Sweep, gpus: list[str], oversubscribe: bool, cpus: list[int] | None = None) -> list[Slot]:
+    """Split this machine between `parallel` trials of `nproc_per_trial` processes each. `gpus` are the
+    devices this sweep may use, as CUDA_VISIBLE_DEVICES entries (host.gpu_ids: the scheduler's own list,
+    UUIDs and MIG names included); a trial gets its own sub-list, its processes distinct GPUs."""
     k, n = sweep.parallel, sweep.nproc_per_trial
+    cpus = cpus if cpus is not None else sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else list(range(available_cores()))
     if gpus:
-        if k * n > gpus and not oversubscribe:
-            raise ConfigError(f"parallel {k} x nproc_per_trial {n} = {k * n} processes but {gpus} GPU(s) here; "
-                              f"lower them or pass --oversubscribe")
-        return [Slot(cores=[], gpus=[(i * n + j) % gpus for j in range(n)], threads=0) for i in range(k)]
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(available_cores()))
+        if n > len(gpus) or (k * n > len(gpus) and not oversubscribe):
+            raise ConfigError(f"parallel {k} x nproc_per_trial {n} = {k * n} processes but {len(gpus)} GPU(s) here; "
+                              f"lower them" + ("" if n > len(gpus) else " or pass --oversubscribe"))
+        # oversubscribed: trials share GPUs, but the n processes of one trial never do (NCCL refuses it)
+        threads = max(1, len(cpus) // (k * n))  # the trials' workers share the host's cores
+        return [Slot(cores=[], gpus=[gpus[(i * n + j) % len(gpus)] for j in range(n)], threads=threads)
+                for i in range(k)]
     if k * n > len(cpus) and not oversubscribe:
         raise ConfigError(f"parallel {k} x nproc_per_trial {n} = {k * n} processes but {len(cpus)} CPU core(s) "
                           f"here; lower them or pass --oversubscribe")
@@ -215,10 +222,10 @@ class SweepRunner:
         overrides = [*trial.user_attrs["overrides"], override("name", f"{self.sweep.name}-{trial.number:04d}")]
         env = dict(os.environ)
         if slot.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot.gpus))
-        else:  # not a training-relevant key: a trial resumes under another packing
-            overrides.append(override("dist.threads_per_worker", slot.threads))
-            env["OMP_NUM_THREADS"] = str(slot.threads)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpus)
+        # not a training-relevant key: a trial resumes under another packing
+        overrides.append(override("dist.threads_per_worker", slot.threads))
+        env["OMP_NUM_THREADS"] = str(slot.threads)
         cmd = [sys.executable, "-m", "phalanx", "train", *([self.sweep.config] if self.sweep.config else []),
                *overrides, "--run-dir", str(folder), "--nproc-per-node", str(self.sweep.nproc_per_trial)]
         log = open(folder / "sweep-trial.log", "a")
@@ -409,12 +416,13 @@ def _reason(folder: Path, code: int) -> str:
     return f"exit code {code}" + (f": {lines[-1]}" if lines else "")
 
 
-def _gpu_count() -> int:
+def _visible_gpus() -> list[str]:
     try:
         import torch  # only here: the rest of the sweep needs no torch
-        return torch.cuda.device_count()
+        count = torch.cuda.device_count()
     except ImportError:
-        return 0
+        count = 0
+    return gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), count) if count else []
 
 
 def add_arguments(p) -> None:
@@ -432,7 +440,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     sweep = load_sweep(args.sweep, parallel=args.parallel, trials=args.trials)
     out = Path(args.out) if args.out else Path("sweeps") / sweep.name
-    slots = plan_slots(sweep, _gpu_count(), args.oversubscribe)
+    slots = plan_slots(sweep, _visible_gpus(), args.oversubscribe)
     _check_same_sweep(sweep, out)
     import optuna
     optuna.logging.set_verbosity(optuna.logging.WARNING)

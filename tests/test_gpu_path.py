@@ -1,0 +1,110 @@
+"""The GPU path's logic, tested on the CPU: which GPU each process and sweep trial gets, and how many
+processes a node runs (issue: fix what would crash or misplace work on CUDA + NCCL)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from phalanx.core import dist
+from phalanx.core.errors import ConfigError
+from phalanx.core.host import gpu_ids
+from phalanx.tools.sweep import plan_slots
+
+
+def sweep(parallel: int, nproc: int):
+    return SimpleNamespace(parallel=parallel, nproc_per_trial=nproc)
+
+
+@pytest.mark.parametrize("visible, count, expected", [
+    (None, 3, ["0", "1", "2"]),
+    ("4,5,6,7", 4, ["4", "5", "6", "7"]),
+    ("GPU-1a2b,GPU-3c4d", 2, ["GPU-1a2b", "GPU-3c4d"]),
+    ("MIG-aaaa, MIG-bbbb", 2, ["MIG-aaaa", "MIG-bbbb"]),
+    ("2,-1,3", 1, ["2"]),          # CUDA stops at the first invalid entry
+    ("", 0, []),
+])
+def test_gpu_ids_follow_the_parents_list(visible, count, expected):
+    assert gpu_ids(visible, count) == expected
+
+
+def test_sweep_slots_map_through_the_schedulers_gpus():
+    """A job given GPUs 4-7 runs its trials on those, never on 0-3 (someone else's)."""
+    slots = plan_slots(sweep(2, 2), ["4", "5", "6", "7"], oversubscribe=False, cpus=list(range(16)))
+    assert [s.gpus for s in slots] == [["4", "5"], ["6", "7"]]
+    assert all(s.threads == 4 for s in slots)  # 16 cores over 4 processes: the trials do not contend
+    uuids = plan_slots(sweep(2, 1), ["GPU-a", "GPU-b"], oversubscribe=False, cpus=[0, 1])
+    assert [s.gpus for s in uuids] == [["GPU-a"], ["GPU-b"]]
+
+
+def test_oversubscribed_gpu_slots_never_repeat_a_gpu_within_a_trial():
+    slots = plan_slots(sweep(3, 2), ["0", "1"], oversubscribe=True, cpus=[0, 1])
+    for s in slots:
+        assert len(set(s.gpus)) == len(s.gpus) == 2  # never CUDA_VISIBLE_DEVICES="0,0"
+    with pytest.raises(ConfigError, match="nproc_per_trial 3 = 3 processes but 2 GPU"):
+        plan_slots(sweep(1, 3), ["0", "1"], oversubscribe=True, cpus=[0, 1])
+    with pytest.raises(ConfigError, match="--oversubscribe"):
+        plan_slots(sweep(3, 2), ["0", "1"], oversubscribe=False, cpus=[0, 1])
+
+
+def test_each_local_process_gets_its_own_gpu():
+    assert [dist.device_index(r, 4, 4, per_task_gpu=False) for r in range(4)] == [0, 1, 2, 3]
+    # srun --gpus-per-task=1: every task sees one GPU, its own
+    assert [dist.device_index(r, 4, 1, per_task_gpu=True) for r in range(4)] == [0, 0, 0, 0]
+    assert dist.device_index(0, 1, 1, per_task_gpu=False) == 0
+    # one launcher, 2 processes, 1 visible GPU: an error, not both ranks on cuda:0
+    with pytest.raises(ConfigError, match="2 processes on this node but 1 visible GPU"):
+        dist.device_index(1, 2, 1, per_task_gpu=False)
+    with pytest.raises(ConfigError, match="3 processes on this node but 2 visible GPU"):
+        dist.device_index(2, 3, 2, per_task_gpu=False)
+
+
+def test_launcher_refuses_more_nccl_processes_than_gpus():
+    assert dist.check_gpu_count("nccl", 2, 2) is None
+    assert dist.check_gpu_count("gloo", 8, 0) is None
+    problem = dist.check_gpu_count("nccl", 4, 2)
+    assert "4 processes but 2 visible GPU(s)" in problem and "--nproc-per-node 2" in problem
+
+
+def test_nproc_auto_is_one_without_a_gpu(monkeypatch):
+    assert dist.auto_nproc("gloo") == (1, "no GPU: one process")
+    monkeypatch.setattr(dist.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist.torch.cuda, "device_count", lambda: 8)
+    assert dist.auto_nproc("nccl")[0] == 8
+
+
+@pytest.mark.parametrize("name, bf16, fp32", [
+    ("NVIDIA H100 80GB HBM3", 989, 67),
+    ("NVIDIA H100 NVL", 835, 60),           # not the SXM peak
+    ("NVIDIA H100 PCIe", 756, 51),
+    ("NVIDIA H200", 989, 67),
+    ("NVIDIA GH200 480GB", 989, 67),        # its own entry, not hidden behind H200
+    ("NVIDIA A100-SXM4-80GB", 312, 19.5),
+    ("NVIDIA A100 80GB PCIe", 312, 19.5),
+    ("NVIDIA L40", 181, 90.5),              # not L4
+    ("NVIDIA L4", 121, 30.3),
+    ("NVIDIA A10", 125, 31.2),
+    ("Tesla V100-SXM2-16GB", 125, 15.7),
+    ("NVIDIA GeForce RTX 4090", 165, 82.6),
+])
+def test_mfu_peak_matches_the_exact_gpu_model(monkeypatch, name, bf16, fp32):
+    import torch
+
+    from phalanx.run import telemetry
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    cuda = torch.device("cuda", 0)
+    assert telemetry.peak_tflops(0.0, cuda, torch.bfloat16) == (bf16, name)
+    assert telemetry.peak_tflops(0.0, cuda, None) == (fp32, name)
+
+
+@pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA L40G", "NVIDIA H800", "Some Future GPU"])
+def test_unlisted_gpus_get_no_borrowed_peak(monkeypatch, name):
+    import torch
+
+    from phalanx.run import telemetry
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    peak, source = telemetry.peak_tflops(0.0, torch.device("cuda", 0), torch.bfloat16)
+    assert peak == 0.0 and "set log.peak_tflops" in source
+    assert telemetry.peak_tflops(500.0, torch.device("cuda", 0), torch.bfloat16) == (500.0, "log.peak_tflops")

@@ -108,3 +108,27 @@ def test_unlisted_gpus_get_no_borrowed_peak(monkeypatch, name):
     peak, source = telemetry.peak_tflops(0.0, torch.device("cuda", 0), torch.bfloat16)
     assert peak == 0.0 and "set log.peak_tflops" in source
     assert telemetry.peak_tflops(500.0, torch.device("cuda", 0), torch.bfloat16) == (500.0, "log.peak_tflops")
+
+
+def test_doctor_reads_gpu_memory_without_a_context_of_its_own(monkeypatch, capsys):
+    """doctor's own process never touches a GPU (an exclusive-process GPU would then refuse its NCCL
+    workers); the child's `free` is already net of one context, so the estimate does not subtract another."""
+    import torch
+
+    from phalanx.tools import doctor
+
+    def no_context(*a):
+        raise AssertionError("doctor created a CUDA context in its own process")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_context)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(doctor, "gpu_memory", lambda: [("NVIDIA H200", 100 * doctor.GB, 140 * doctor.GB)])
+    avail = doctor.check_devices(doctor.Report(), 1)
+    assert avail["cuda"] == 100 * doctor.GB
+    assert "cuda:0" in capsys.readouterr().out
+    from phalanx.core.config import load_config
+
+    rep = doctor.Report()
+    doctor.check_memory(rep, load_config(None, []), 1, 1, "nccl", avail)
+    (line,) = [d for v, c, d in rep.lines if c == "memory estimate"]
+    assert "vs 100.00 GB available per GPU" in line

@@ -32,7 +32,6 @@ from phalanx.tools.launch import parse_nnodes
 GB = 2 ** 30
 # Measured here: a worker process of a tiny model holds ~370 MB resident (torch, transformers, Gloo).
 FRAMEWORK_HOST_BYTES = 0.4 * GB
-CUDA_CONTEXT_BYTES = 0.5 * GB
 
 
 def add_arguments(p) -> None:
@@ -87,13 +86,33 @@ def check_devices(rep: Report, nproc: int) -> dict:
     rep.add("ok", "host memory", f"{vm.available / GB:.1f} GB available of {vm.total / GB:.1f} GB "
                                  f"({vm.available / nproc / GB:.1f} GB per process)")
     avail = {"host": vm.available / nproc}
-    for i in range(torch.cuda.device_count()):
-        free, total = torch.cuda.mem_get_info(i)
-        rep.add("ok", f"cuda:{i}", f"{torch.cuda.get_device_name(i)}, {free / GB:.1f} GB free of {total / GB:.1f} GB")
+    for i, (name, free, total) in enumerate(gpu_memory()):
+        rep.add("ok", f"cuda:{i}", f"{name}, {free / GB:.1f} GB free of {total / GB:.1f} GB")
         avail["cuda"] = min(avail.get("cuda", free), free)
     if not torch.cuda.is_available():
         rep.add("ok", "cuda", "no CUDA device visible (CPU training with gloo)")
     return avail
+
+
+def _gpu_memory_child(queue) -> None:
+    queue.put([(torch.cuda.get_device_name(i), *torch.cuda.mem_get_info(i)) for i in range(torch.cuda.device_count())])
+
+
+def gpu_memory() -> list[tuple[str, int, int]]:
+    """(name, free bytes, total bytes) of every visible GPU, read in a child process that exits before the
+    workers of the all-reduce check start: a CUDA context held here (~0.5 GB on every GPU) would make
+    exclusive-process GPUs refuse those workers. `free` is net of one context (the child's), which is what
+    a worker will also need, so nothing more is subtracted for it."""
+    if not torch.cuda.is_available():  # device_count/is_available ask NVML: no context here
+        return []
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_gpu_memory_child, args=(queue,), daemon=True)
+    child.start()
+    try:
+        return queue.get(timeout=120)
+    finally:
+        child.join(timeout=10)
 
 
 def check_port(rep: Report, endpoint: str) -> None:
@@ -144,6 +163,8 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, size_mb: i
         correct = bool(torch.equal(t.cpu(), expected.to(torch.float64)))
         big = torch.ones(size_mb * 2 ** 20 // 4, dtype=torch.float32, device=device)
         tdist.all_reduce(big)  # warm-up: connections, buffers
+        if backend == "nccl":  # the warm-up's kernels must not run inside the timed window
+            torch.cuda.synchronize()
         iters = 5
         start = time.perf_counter()
         for _ in range(iters):
@@ -271,7 +292,7 @@ def check_memory(rep: Report, cfg, world: int, nproc: int, backend: str, avail: 
         return 0.0
     on_gpu = backend == "nccl"
     total = sum(v for k, v in est.items() if k != "parameters")
-    have = (avail.get("cuda", 0) - CUDA_CONTEXT_BYTES) if on_gpu else avail["host"] - FRAMEWORK_HOST_BYTES
+    have = avail.get("cuda", 0) if on_gpu else avail["host"] - FRAMEWORK_HOST_BYTES  # gpu: net of a context
     parts = ", ".join(f"{k} {est[k] / GB:.2f}" for k in ("weights", "gradients", "optimizer", "activations"))
     detail = (f"{est['parameters'] / 1e6:,.1f}M parameters; per rank about {total / GB:.2f} GB ({parts} GB) vs "
               f"{have / GB:.2f} GB available per {'GPU' if on_gpu else 'process'}")

@@ -45,12 +45,18 @@ class RunFolder:
         self.summary = self.root / "summary.json"         # what the run achieved and cost
         self.checkpoints = self.root / "checkpoints"      # step_NNNNNN/ + latest
         self.final = self.root / "final"                  # Hugging Face model + tokenizer
+        self.final_tmp = self.root / ".final.tmp"         # final/ while it is written (publish_final)
         self.preempted = self.root / "PREEMPTED"          # stopped cleanly on a signal; resumable
         self.error = self.root / "error.json"             # why the run stopped with an error
         self.hang = self.root / "hang"                    # rank<r>.txt stacks + summary.txt
         self.hang_summary = self.hang / "summary.txt"
         self.errors = self.root / "errors"                # rank<r>.json: a worker's own error, any exception
         self.logs = self.root / "logs"                    # workers' stderr and the elastic agent's log
+
+    def publish_final(self) -> None:
+        """The export into final_tmp is complete: it becomes final/, replacing an older one."""
+        shutil.rmtree(self.final, ignore_errors=True)
+        os.replace(self.final_tmp, self.final)
 
     def clear_outcome(self) -> None:
         """A new attempt starts: forget how the previous one ended."""

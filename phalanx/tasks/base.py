@@ -78,3 +78,9 @@ class TaskBase:
 
     def batch_tokens(self, batch: dict) -> int:
         return int(batch["input_ids"].numel())
+
+    def export(self, model, out, write) -> None:
+        """Write the final model into `out` (RUN/final while it is written); every rank calls it.
+        `write(model, tokenizer, out)` is the run's Hugging Face writer (collective); a task that exports
+        something else (chat with LoRA: the merged model, then out/adapter) wraps it."""
+        write(model, self.tokenizer, out)

@@ -84,13 +84,32 @@ def run_case(work: Path, cache: Path, name: str, nproc: int, steps: int, warmup:
                         f"bench-{port}"]] * launchers
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     t0 = time.time()
-    procs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in cmds]
+    procs = [subprocess.Popen(c, cwd=REPO, env={**env, **launcher_gpus(i, nproc, len(cmds))}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i, c in enumerate(cmds)]
     outs = [p.communicate()[0] for p in procs]
     wall = time.time() - t0
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{name}: exit codes {[p.returncode for p in procs]}\n{outs[0][-3000:]}")
     return {"name": name, "nproc": nproc * launchers, **measure(run, t0, wall, warmup)}
+
+
+def launcher_gpus(i: int, nproc: int, launchers: int) -> dict:
+    """Launchers standing in for nodes on one GPU machine: launcher i sees only its own `nproc` GPUs, as a
+    node would. With the same environment every launcher's LOCAL_RANK 0 takes cuda:0 and NCCL stops with
+    'Duplicate GPU detected'."""
+    if launchers == 1:
+        return {}
+    import torch
+
+    from phalanx.core.host import gpu_ids
+
+    ids = gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
+    if not ids:
+        return {}
+    if len(ids) < nproc * launchers:
+        raise RuntimeError(f"{launchers} launchers x {nproc} process(es) need {nproc * launchers} GPUs, "
+                           f"{len(ids)} visible")
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[i * nproc:(i + 1) * nproc])}
 
 
 def gpu_peak_tflops(dtype_16bit: bool) -> float:

@@ -132,3 +132,42 @@ def test_doctor_reads_gpu_memory_without_a_context_of_its_own(monkeypatch, capsy
     doctor.check_memory(rep, load_config(None, []), 1, 1, "nccl", avail)
     (line,) = [d for v, c, d in rep.lines if c == "memory estimate"]
     assert "vs 100.00 GB available per GPU" in line
+
+
+def test_two_launchers_on_one_gpu_machine_get_their_own_gpus(monkeypatch):
+    """bench/strategies.py's '2 launchers x1' case: each launcher sees its own GPU (else both take cuda:0)."""
+    import importlib.util
+
+    import torch
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("strategies", REPO / "bench" / "strategies.py")
+    strategies = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(strategies)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert [strategies.launcher_gpus(i, 1, 2) for i in range(2)] == [{"CUDA_VISIBLE_DEVICES": "4"},
+                                                                     {"CUDA_VISIBLE_DEVICES": "5"}]
+    assert [strategies.launcher_gpus(i, 2, 2) for i in range(2)] == [{"CUDA_VISIBLE_DEVICES": "4,5"},
+                                                                     {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    assert strategies.launcher_gpus(0, 2, 1) == {}  # one launcher: the environment as it is
+    with pytest.raises(RuntimeError, match="need 6 GPUs, 4 visible"):
+        strategies.launcher_gpus(0, 3, 2)
+
+
+def test_bench_contention_check_does_not_misfire_on_gpus(tmp_path):
+    """A GPU rank mostly waits for its device: low CPU use there is not contention."""
+    import json
+
+    from phalanx.tools import bench
+
+    rows = [{"step": s, "loss": 1.0, "tokens_per_s": 1000.0, "step_time_s": 0.1, "ranks/cpu_percent": [15.0, 12.0],
+             "ranks/host_peak_mb": [900.0, 900.0], "ranks/cuda_peak_mb": [5000.0, 5000.0],
+             "fwd_bwd_time_s": 0.09, "optimizer_time_s": 0.01} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    on_gpu = bench.measure(tmp_path, warmup=1, threads=8)
+    assert on_gpu["quiet_steps"] == 4
+    for r in rows:
+        del r["ranks/cuda_peak_mb"]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench.measure(tmp_path, warmup=1, threads=8)["quiet_steps"] == 0  # on CPU it is contention

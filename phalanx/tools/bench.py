@@ -75,7 +75,10 @@ def measure(run_dir: Path, warmup: int, threads: int) -> dict:
     if not rows:
         raise RuntimeError(f"{run_dir}: no training steps after the warm-up")
     # Steps in which every rank got >= 90% of its threads' CPU time: what the config does on quiet cores.
-    quiet = [r for r in rows if min(r.get("ranks/cpu_percent", [0])) >= 90 * threads]
+    # On GPUs a rank mostly waits for its device, so its CPU share says nothing about contention: every
+    # step counts as quiet there.
+    on_gpu = any("ranks/cuda_peak_mb" in r for r in rows)
+    quiet = rows if on_gpu else [r for r in rows if min(r.get("ranks/cpu_percent", [0])) >= 90 * threads]
     step_s = sum(r["step_time_s"] for r in rows)
     split = [sum(r.get(k, 0) for k in ("data_time_s", "sync_time_s", "fwd_bwd_time_s", "optimizer_time_s"))
              for r in rows]
@@ -179,11 +182,12 @@ def _write(results: list[dict], out: Path, args, failed: list[int]) -> int:
              f"{host.cores()} cores, threads/process = cores / processes (never oversubscribed).",
              "comm wait share: (step-start sync + gradient all-reduce not hidden by backward) / step time; "
              "all-reduce share: time a DDP gradient all-reduce was in flight / step time (overlaps backward).",
-             "uncontended: only the steps in which every rank got >= 90% of its threads' CPU time.",
+             "uncontended: only the steps in which every rank got >= 90% of its threads' CPU time (on GPUs: "
+             "every step; a rank waiting for its device uses little CPU).",
              "CPU % per rank: mean process CPU use (100 = one core); below threads x 100 means the cores were "
              "shared with other work and the figures are pessimistic."]
-    shared = [str(r["processes"]) for r in results if r["cpu_percent"] and
-              min(r["cpu_percent"]) < 0.8 * 100 * r["threads"]]
+    shared = [str(r["processes"]) for r in results if r["cpu_percent"] and not r.get("cuda_peak_mb") and
+              min(r["cpu_percent"]) < 0.8 * 100 * r["threads"]]  # on GPUs low CPU use is the norm
     if shared:
         notes.append(f"WARNING: at {', '.join(shared)} process(es) a rank used under 80% of its threads' CPU "
                      f"time: other work shared the cores, so those figures understate what this config can do.")

@@ -34,7 +34,8 @@ def read_inputs(path: str, text_field: str, pair_field: str) -> Examples:
     per non-blank line of a plain-text file."""
     p = Path(path)
     if sources.format_of(p, "auto") == "text" and not pair_field:
-        texts = [line for line in pieces.decode(p.read_bytes(), path, 0).splitlines() if line.strip()]
+        start = pieces.content_start(p, "text")  # after a byte-order mark
+        texts = [line for line in pieces.decode(p.read_bytes()[start:], path, start).splitlines() if line.strip()]
         if not texts:
             raise ConfigError(f"data file '{path}': no rows (empty file)")
         return Examples(texts)

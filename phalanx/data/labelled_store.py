@@ -119,6 +119,7 @@ def prepare_classify(cfg: Config, workers: int = 0, progress: bool = True, say=N
     if index is not None and index.get("sources") == identity(cfg):
         return {**index["summary"], "reused": True}
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / store.INDEX).unlink(missing_ok=True)  # an older data's index: a failure leaves none
     t0, d = time.perf_counter(), cfg.data
     job = ClassifyJob(str(tok_dir), d.max_length, fields_of(cfg), store.token_dtype(toks.backend(tok_dir).get_vocab_size(with_added_tokens=True)).name)
     per_split = {}

@@ -65,7 +65,9 @@ def sample_texts(cfg: Config, budget: int) -> list[str]:
 # ---- stores --------------------------------------------------------------------------------------
 def store_folder(cfg: Config, root: Path, spec: str, split: str, tok_dir: Path) -> Path:
     d = cfg.data
-    return root / f"store-{cache.fingerprint(VERSION, tok_dir.name, spec or 'builtin', split, d.format, d.text_field, d.shard_mb)}"
+    # [spec]: the name, not the file's size and time (the index holds those): a changed file is
+    # prepared into the same folder, which so never keeps an index of data that is gone
+    return root / f"store-{cache.fingerprint(VERSION, tok_dir.name, [spec or 'builtin'], split, d.format, d.text_field, d.shard_mb)}"
 
 
 def store_is_current(folder: Path, identity: list) -> bool:
@@ -89,6 +91,7 @@ def prepare_lm(cfg: Config, workers: int = 0, progress: bool = True, say=None) -
             summaries[split] = {**store.read_index(folder)["summary"], "reused": True}
             continue
         folder.mkdir(parents=True, exist_ok=True)
+        (folder / store.INDEX).unlink(missing_ok=True)  # an older data's index: a failure leaves none
         summaries[split] = build_store(cfg, (spec, key, split), folder, tok_dir, (workers, progress, say))
     return summaries
 

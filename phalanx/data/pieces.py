@@ -29,6 +29,11 @@ from phalanx.data.sources import files_of, format_of
 
 WINDOW = 1 << 16
 Fields = tuple  # ((name, 'text' | 'label'), ...): what each row must hold
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark: what Windows tools write at the start of a text file
+# Files users mistake for text: their signature, what they are, and the command that undoes it.
+NOT_TEXT = ((b"\x1f\x8b", "gzip-compressed", "gunzip"), (b"\x28\xb5\x2f\xfd", "zstd-compressed", "unzstd"),
+            (b"BZh", "bzip2-compressed", "bunzip2"), (b"\xfd7zXZ\x00", "xz-compressed", "unxz"),
+            (b"PK\x03\x04", "a zip archive", "unzip"))
 
 
 def _visible(byte: int) -> bool:
@@ -78,15 +83,58 @@ def _hash(*parts) -> str:
     return h.hexdigest()[:24]
 
 
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """An exception as one printable line: its type and message, control characters escaped."""
+    text = " ".join(str(e).split())
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def content_start(path: Path | str, kind: str) -> int:
+    """Where the text of a text, JSON Lines or CSV file starts: after a UTF-8 byte-order mark, else 0.
+    A compressed file, a Parquet file, or (JSON Lines) one top-level JSON array is a ConfigError that
+    says what to do, instead of a 'not valid UTF-8' or 'malformed JSON' error on its first line."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    for magic, what, tool in NOT_TEXT:
+        if head.startswith(magic):
+            raise ConfigError(f"data file '{path}': {what}; decompress it first ({tool} '{path}'), or convert it "
+                              f"to Parquet, which phalanx reads compressed")
+    if head.startswith(b"PAR1"):
+        raise ConfigError(f"data file '{path}': a Parquet file; name it .parquet or set data.format=parquet")
+    start = len(BOM) if head.startswith(BOM) else 0
+    if kind == "jsonl" and head[start:].lstrip().startswith(b"["):
+        path = Path(path)
+        lines = path.with_name(path.stem + ("-lines" if path.suffix == ".jsonl" else "") + ".jsonl")
+        raise ConfigError(f"data file '{path}': one top-level JSON array, not JSON Lines (one object per line); "
+                          f"convert it to JSON Lines, e.g. jq -c '.[]' '{path}' > '{lines}'")
+    return start
+
+
+def open_parquet(path: Path | str, fields: Fields):
+    """A `pyarrow.parquet.ParquetFile` whose footer is readable, with rows and the fields' columns."""
+    import pyarrow.parquet as pq  # lazy: pyarrow only for Parquet/CSV inputs
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...: the message names the damage
+        raise ConfigError(f"data file '{path}': not a readable Parquet file ({one_line(e)})") from None
+    if pf.metadata.num_rows == 0:
+        raise ConfigError(f"data file '{path}': no rows (a Parquet file with 0 rows)")
+    _check_columns(pf.schema_arrow, fields, path)
+    return pf
+
+
 def file_identity(path: Path) -> tuple:
     """Path, size and modification time: cheap, and changes when the file does."""
     st = os.stat(path)
     return (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
-def _cuts(path: Path, size: int, piece_bytes: int, finder) -> list[int]:
+def _cuts(path: Path, start: int, size: int, piece_bytes: int, finder) -> list[int]:
     """Offsets where `path` is cut into pieces of about piece_bytes, found by reading small windows."""
-    cuts, pos = [0], piece_bytes
+    cuts, pos = [start], start + piece_bytes
     with open(path, "rb") as f:
         while pos < size:
             f.seek(pos - 1)
@@ -107,9 +155,7 @@ def _cuts(path: Path, size: int, piece_bytes: int, finder) -> list[int]:
 def _file_pieces(path: Path, kind: str, fields: Fields, piece_bytes: int) -> list[Piece]:
     ident = file_identity(path)
     if kind == "parquet":
-        import pyarrow.parquet as pq  # lazy: pyarrow only for Parquet/CSV inputs
-
-        meta = pq.ParquetFile(path).metadata
+        meta = open_parquet(path, fields).metadata
         groups, sizes = [0], 0
         for g in range(meta.num_row_groups):
             sizes += meta.row_group(g).total_byte_size
@@ -120,7 +166,7 @@ def _file_pieces(path: Path, kind: str, fields: Fields, piece_bytes: int) -> lis
         per_group = ident[1] / max(meta.num_row_groups, 1)
         return [Piece("parquet", str(path), a, b, int((b - a) * per_group), _hash(ident, kind, fields, a, b))
                 for a, b in zip(bounds, bounds[1:])]
-    cuts = _cuts(path, ident[1], piece_bytes, safe_cut if kind == "text" else line_cut)
+    cuts = _cuts(path, content_start(path, kind), ident[1], piece_bytes, safe_cut if kind == "text" else line_cut)
     return [Piece(kind, str(path), a, b, b - a, _hash(ident, kind, fields, a, b, b == ident[1]),
                   ends_document=(kind == "text" and b == ident[1]))
             for a, b in zip(cuts, cuts[1:])]
@@ -156,6 +202,7 @@ def plan(spec: str, fmt: str, fields: Fields, key: str, split: str, piece_bytes:
             raise ConfigError(f"data file '{path}': plain text has no fields "
                               f"({', '.join(n for n, _ in fields)}); use JSON Lines, CSV or Parquet")
         if kind == "csv":
+            content_start(path, kind)
             yield from _doc_pieces(str(path), csv_rows(path, fields), piece_bytes)
         else:
             yield from _file_pieces(path, kind, fields, piece_bytes)
@@ -268,17 +315,45 @@ def rows(piece: Piece, fields: Fields, batch_bytes: int = 1 << 20) -> Iterator[t
 
 
 def _parquet_rows(piece: Piece, fields: Fields) -> Iterator[tuple[list[tuple], int]]:
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(piece.source)
-    _check_columns(pf.schema_arrow, fields, piece.source)
+    pf = open_parquet(piece.source, fields)
     row = sum(pf.metadata.row_group(g).num_rows for g in range(piece.start))
-    for batch in pf.iter_batches(batch_size=4096, row_groups=range(piece.start, piece.end),
-                                 columns=[n for n, _ in fields]):
-        out = [values_of(r, fields, lambda i=i: f"data file '{piece.source}' row {row + i + 1}")
-               for i, r in enumerate(batch.to_pylist())]
-        row += len(out)
-        yield out, int(batch.nbytes)
+    for g in range(piece.start, piece.end):
+        for batch, values in _row_group(pf, g, fields, piece.source, row):
+            out = [values_of(r, fields, lambda i=i: f"data file '{piece.source}' row {row + i + 1}")
+                   for i, r in enumerate(values)]
+            row += len(out)
+            yield out, int(batch.nbytes)
+
+
+def _row_group(pf, g: int, fields: Fields, path: str, row: int) -> Iterator[tuple]:
+    """(batch, its rows as dicts) of row group g; damage found while reading (a corrupt page, bad
+    UTF-8) is a ConfigError naming the row group or row: in a pool worker as in the launcher."""
+    batches = pf.iter_batches(batch_size=4096, row_groups=[g], columns=[n for n, _ in fields])
+    while True:
+        try:
+            batch = next(batches, None)
+            if batch is None:
+                return
+            values = batch.to_pylist()
+        except UnicodeDecodeError:
+            raise ConfigError(_bad_utf8_row(batch, fields, path, row)) from None
+        except Exception as e:  # pyarrow's ArrowInvalid, OSError (thrift, decompression), ...
+            raise ConfigError(f"data file '{path}' row group {g + 1} of {pf.metadata.num_row_groups}: cannot "
+                              f"read ({one_line(e)})") from None
+        yield batch, values
+        row += batch.num_rows
+
+
+def _bad_utf8_row(batch, fields: Fields, path: str, row: int) -> str:
+    import pyarrow as pa
+
+    for name, _ in fields:
+        for i, value in enumerate(batch.column(name).cast(pa.binary()).to_pylist()):
+            try:
+                (value or b"").decode("utf-8")
+            except UnicodeDecodeError:
+                return f"data file '{path}' row {row + i + 1}: field '{name}' is not valid UTF-8"
+    return f"data file '{path}' rows {row + 1}-{row + batch.num_rows}: not valid UTF-8"
 
 
 def _check_columns(schema, fields: Fields, path) -> None:
@@ -288,25 +363,26 @@ def _check_columns(schema, fields: Fields, path) -> None:
 
 
 def csv_rows(path: Path, fields: Fields) -> Iterator[tuple]:
-    """CSV through pyarrow's streaming reader; a text column that parsed as numbers is read back as text."""
+    """CSV through pyarrow's streaming reader; text columns are read as text (never as numbers), and
+    damage (bad UTF-8, a row with the wrong number of columns) names pyarrow's row number."""
+    import pyarrow as pa
     import pyarrow.csv as pcsv
 
+    texts = {name: pa.string() for name, kind in fields if kind == "text"}
     try:
-        reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=1 << 22))
+        # one thread: pyarrow's messages then carry the row number ('Row #N', the header is row 1)
+        reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=1 << 22, use_threads=False),
+                               convert_options=pcsv.ConvertOptions(column_types=texts))
         _check_columns(reader.schema, fields, path)
         row = 0
         for batch in reader:
             for r in batch.select([n for n, _ in fields]).to_pylist():
                 row += 1
-                for name, kind in fields:
-                    if kind == "text" and not isinstance(r[name], str):
-                        r[name] = "" if r[name] is None else str(r[name])
                 yield values_of(r, fields, lambda row=row: f"data file '{path}' row {row}")
     except ConfigError:
         raise
     except Exception as e:  # pyarrow raises several types; the message names the problem
-        raise ConfigError(f"data file '{path}': cannot read as CSV ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise ConfigError(f"data file '{path}': cannot read as CSV ({one_line(e)})") from None
 
 
 def hub_rows(spec: str, fields: Fields, split: str) -> Iterator[tuple]:
@@ -321,4 +397,4 @@ def hub_rows(spec: str, fields: Fields, split: str) -> Iterator[tuple]:
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError(f"hub dataset '{spec}' split '{split}': {type(e).__name__}: {e}") from None
+        raise ConfigError(f"hub dataset '{spec}' split '{split}': {one_line(e)}") from None

@@ -86,7 +86,7 @@ def sample_rows(cfg: Config, fields: pieces.Fields, budget: int) -> list[tuple]:
 def _window(path: Path, kind: str, lo: int, hi: int, size: int, fields: pieces.Fields) -> list[tuple]:
     """Whole lines of path[lo:hi] as one text row, or as JSON Lines rows."""
     buf = pieces.read_bytes(str(path), lo, hi)
-    start = 0 if lo == 0 else buf.find(b"\n") + 1
+    start = pieces.content_start(path, kind) if lo == 0 else buf.find(b"\n") + 1
     end = len(buf) if hi == size else buf.rfind(b"\n") + 1
     if start <= 0 and lo or end <= start:
         return []
@@ -167,7 +167,11 @@ def check_sample(cfg: Config, fields: pieces.Fields, head: int = 1 << 20, window
             kind, size = format_of(path, d.format), path.stat().st_size
             if size == 0:
                 raise ConfigError(f"data file '{path}': no rows (empty file)")
-            if kind not in ("text", "jsonl"):
+            if kind == "parquet":
+                pieces.open_parquet(path, fields)  # the footer: readable, has rows and the fields
+                continue
+            pieces.content_start(path, kind)  # not compressed, not one JSON array
+            if kind == "csv":
                 continue
             spans = [(0, min(size, head))] + [(size * (i + 1) // (windows + 1), size * (i + 1) // (windows + 1) + width)
                                              for i in range(windows) if size > head]
@@ -286,7 +290,9 @@ class Encoding:
                 while running:
                     self._collect(running, counter)
             except BaseException:
-                pool.shutdown(wait=False, cancel_futures=True)
+                # Drop the pieces not started; wait for those running (bounded: one piece each), so that
+                # no process is still writing a temporary file or holding a claim when this returns.
+                pool.shutdown(wait=True, cancel_futures=True)
                 raise
 
     def _collect(self, running: dict, counter) -> None:

@@ -1,8 +1,9 @@
-"""Fast in-process unit tests of optim, model, checkpoint and evaluate (no subprocesses, no torchrun).
+"""Fast in-process unit tests of optim, model, evaluate and the watchdog (no subprocesses, no torchrun);
+checkpoints and the final export: tests/test_checkpoint.py.
 
 The end-to-end tests run these modules inside real multi-process launches; here each behaviour is pinned
-down directly on tiny models, so a regression names the function that broke. Checkpoint and evaluation
-tests use a real single-process Gloo group made by `phalanx.core.dist.setup` (module-scoped, torn down and the
+down directly on tiny models, so a regression names the function that broke. Evaluation tests use a
+real single-process Gloo group made by `phalanx.core.dist.setup` (module-scoped, torn down and the
 environment restored afterwards).
 """
 from __future__ import annotations
@@ -11,11 +12,8 @@ import json
 import math
 import os
 import pickle
-import random
 import threading
-from pathlib import Path
 
-import numpy as np
 import phalanx.core.dist as pdist
 import pytest
 import torch
@@ -23,16 +21,6 @@ import torch.distributed as tdist
 from torch import nn
 
 from phalanx.core.config import ModelConfig, TrainConfig
-from phalanx.run.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    check_safe,
-    complete_in,
-    latest_in,
-    read_meta,
-    rng_state,
-    set_rng_state,
-)
 from phalanx.run.evaluate import evaluate
 
 try:  # eval_shard lives next to evaluate(); it used to be in data/samplers.py
@@ -50,7 +38,9 @@ from phalanx.model.build import (
 )
 from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl, restore_impl
 from phalanx.run.state import TrainState
-from phalanx.run.watchdog import Watchdog, summarize
+from phalanx.core.faults import KINDS, parse_fault
+from phalanx.run.probe import PHASE_OF, Probe
+from phalanx.run.watchdog import Phase, Watchdog, summarize
 
 VOCAB, BLOCK, EMBD = 64, 16, 32
 
@@ -268,242 +258,6 @@ def test_wrap_is_identity_at_world_size_one_and_unwrap():
     assert unwrap(nn.DataParallel(model)) is model  # anything holding `.module` (DDP) is unwrapped
 
 
-# ---- checkpoint -----------------------------------------------------------------------------------
-def _batch(seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, BLOCK), generator=torch.Generator().manual_seed(seed))
-
-
-def _step(model, opt, seed: int) -> None:
-    x = _batch(seed)
-    model(input_ids=x, labels=x).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def _trained(seed: int = 0, lr_step: int = 3):
-    torch.manual_seed(seed)
-    t = TrainConfig(lr=1e-2, warmup_steps=5, max_steps=20, weight_decay=0.1)
-    model = build_causal_lm(tiny("gpt2"), VOCAB, 0)
-    opt = build_optimizer(model, t)
-    sched = WarmupCosine(t)
-    sched.apply(opt, lr_step)
-    _step(model, opt, seed=100)
-    return model, opt, sched, t
-
-
-def _fresh(t: TrainConfig, seed: int = 99):
-    torch.manual_seed(seed)
-    model = build_causal_lm(tiny("gpt2"), VOCAB, 0)
-    return model, build_optimizer(model, t)
-
-
-def _norm_group(g: dict) -> dict:
-    return {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in g.items() if k != "params"}
-
-
-def _assert_same(model_a, opt_a, model_b, opt_b) -> None:
-    sa, sb = model_a.state_dict(), model_b.state_dict()
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
-    oa, ob = opt_a.state_dict(), opt_b.state_dict()
-    assert oa["state"].keys() == ob["state"].keys() and len(oa["state"]) == len(list(model_a.parameters()))
-    for i, st in oa["state"].items():
-        assert st.keys() == ob["state"][i].keys()
-        for name, v in st.items():
-            w = ob["state"][i][name]
-            assert torch.is_tensor(w) and v.dtype == w.dtype and torch.equal(v, w), (i, name)
-    assert [_norm_group(g) for g in oa["param_groups"]] == [_norm_group(g) for g in ob["param_groups"]]
-    assert [g["params"] for g in oa["param_groups"]] == [g["params"] for g in ob["param_groups"]]
-
-
-def test_save_then_load_is_bitwise_exact(pg, tmp_path):
-    model, opt, sched, t = _trained()
-    ckpt = Checkpointer(tmp_path, pg, keep=2)
-    path, seconds = ckpt.save(1, model, opt, {"schedule": sched.state_dict(), "train_state": {"step": 1}})
-    assert path == tmp_path / "checkpoints" / "step_000001" and seconds >= 0
-    assert (path / ".metadata").is_file() and (path / "rank_state" / "rank0.json").is_file()
-
-    model2, opt2 = _fresh(t)
-    assert not torch.equal(model2.transformer.wte.weight, model.transformer.wte.weight)
-    assert opt2.param_groups[0]["lr"] != opt.param_groups[0]["lr"]
-    meta, rank_state = ckpt.load(path, model2, opt2)
-    assert meta["step"] == 1 and meta["world_size"] == 1 and meta["schedule"] == {"step": 3}
-    assert meta["train_state"] == {"step": 1} and meta == read_meta(path)
-    assert rank_state is not None and set(rank_state) == {"rng"}
-    _assert_same(model, opt, model2, opt2)
-    # and the two continue identically
-    _step(model, opt, seed=7)
-    _step(model2, opt2, seed=7)
-    _assert_same(model, opt, model2, opt2)
-
-
-def test_latest_and_keep_checkpoints_prunes(pg, tmp_path):
-    model, opt, _, _ = _trained()
-    ckpt = Checkpointer(tmp_path, pg, keep=2)
-    root = tmp_path / "checkpoints"
-    for step in (1, 2, 3):
-        ckpt.save(step, model, opt, {})
-        assert ckpt.latest() == latest_in(root) == root / f"step_{step:06d}"
-        assert json.loads((root / "latest").read_text()) == {"name": f"step_{step:06d}"}
-    assert ckpt.complete() == complete_in(root) == [root / "step_000002", root / "step_000003"]
-    assert not (root / "step_000001").exists()
-    Checkpointer(tmp_path, pg, keep=1).save(4, model, opt, {})
-    assert complete_in(root) == [root / "step_000004"]
-
-
-def test_torn_save_never_hides_the_last_good_checkpoint(pg, tmp_path):
-    model, opt, _, _ = _trained()
-    ckpt = Checkpointer(tmp_path, pg, keep=2)
-    root = tmp_path / "checkpoints"
-    ckpt.save(1, model, opt, {})
-
-    def die():
-        raise RuntimeError("killed while writing")
-
-    with pytest.raises(RuntimeError, match="killed while writing"):
-        ckpt.save(2, model, opt, {}, die)  # the hook that runs after this rank's shards are written
-    assert (root / ".tmp-step_000002").is_dir() and not (root / "step_000002").exists()
-    assert ckpt.latest() == latest_in(root) == root / "step_000001"
-    ckpt.save(3, model, opt, {})
-    assert not (root / ".tmp-step_000002").exists()  # stale temporary folders are cleaned up
-    assert ckpt.latest() == root / "step_000003"
-
-
-def _fake_ckpt(root: Path, name: str, complete: bool = True) -> Path:
-    p = root / name
-    p.mkdir(parents=True)
-    if complete:
-        (p / "meta.json").write_text(json.dumps({"step": 0}))
-    return p
-
-
-def test_latest_in_ignores_temporary_and_incomplete_folders(tmp_path):
-    root = tmp_path / "checkpoints"
-    assert latest_in(root) is None and complete_in(root) == []
-    one, two = _fake_ckpt(root, "step_000001"), _fake_ckpt(root, "step_000002")
-    _fake_ckpt(root, ".tmp-step_000003")                  # torn write: even with its meta.json
-    _fake_ckpt(root, "step_000004", complete=False)       # no meta.json yet
-    assert complete_in(root) == [one, two]
-    assert latest_in(root) == two                         # no `latest` file: newest complete
-    (root / "latest").write_text(json.dumps({"name": "step_000004"}))
-    assert latest_in(root) == two                         # `latest` names an incomplete one
-    (root / "latest").write_text("{not json")
-    assert latest_in(root) == two                         # unreadable `latest`
-    (root / "latest").write_text(json.dumps({"name": "step_000001"}))
-    assert latest_in(root) == one                         # a complete named one wins (as documented)
-
-
-def test_latest_in_orders_steps_numerically_past_a_million(tmp_path):
-    root = tmp_path / "checkpoints"
-    _fake_ckpt(root, "step_999999")
-    newest = _fake_ckpt(root, "step_1000000")
-    assert latest_in(root) == newest
-    assert complete_in(root)[-1] == newest
-
-
-def test_pruning_past_a_million_steps_keeps_the_newest(pg, tmp_path):
-    model, opt, _, _ = _trained()
-    ckpt = Checkpointer(tmp_path, pg, keep=2)
-    for step in (999_998, 999_999, 1_000_000):
-        ckpt.save(step, model, opt, {})
-    root = tmp_path / "checkpoints"
-    assert (root / "step_1000000").is_dir()
-    assert ckpt.latest() == root / "step_1000000"
-
-
-def test_read_meta(tmp_path):
-    with pytest.raises(CheckpointError, match="no readable meta.json"):
-        read_meta(tmp_path)
-    (tmp_path / "meta.json").write_text("{torn")
-    with pytest.raises(CheckpointError, match="no readable meta.json"):
-        read_meta(tmp_path)
-    (tmp_path / "meta.json").write_text(json.dumps({"step": 5, "config": {"a": 1}}))
-    assert read_meta(tmp_path) == {"step": 5, "config": {"a": 1}}
-
-
-class _Evil:
-    marker: Path
-
-    def __reduce__(self):
-        return (os.system, (f"touch {_Evil.marker}",))
-
-
-def _evil_ckpt(tmp_path: Path) -> Path:
-    ckpt = tmp_path / "evil"
-    ckpt.mkdir()
-    _Evil.marker = tmp_path / "pwned"
-    (ckpt / ".metadata").write_bytes(pickle.dumps(_Evil()))
-    (ckpt / "meta.json").write_text(json.dumps({"step": 3, "config": {}}))
-    return ckpt
-
-
-def test_check_safe_refuses_a_malicious_pickle_without_running_it(tmp_path):
-    ckpt = _evil_ckpt(tmp_path)
-    with pytest.raises(CheckpointError, match="refusing to load") as e:
-        check_safe(ckpt)
-    assert "posix.system" in str(e.value) and str(ckpt) in str(e.value)
-    assert not _Evil.marker.exists()
-
-
-def test_load_checks_safety_before_dcp_reads_anything(pg, tmp_path):
-    ckpt = _evil_ckpt(tmp_path)
-    model, opt = _fresh(TrainConfig())
-    with pytest.raises(CheckpointError, match="refusing to load"):
-        Checkpointer(tmp_path / "run", pg).load(ckpt, model, opt)
-    assert not _Evil.marker.exists()
-
-
-def test_check_safe_other_refusals_and_a_real_checkpoint(pg, tmp_path):
-    with pytest.raises(CheckpointError, match="no DCP .metadata"):
-        check_safe(tmp_path)
-    (tmp_path / ".metadata").write_bytes(b"\x00garbage")
-    with pytest.raises(CheckpointError, match="unreadable metadata"):
-        check_safe(tmp_path)
-    # a DCP checkpoint holding a pickled (non-tensor) object
-    import torch.distributed.checkpoint as dcp
-    objs = tmp_path / "objects"
-    dcp.save({"w": torch.ones(3), "obj": "not a tensor"}, checkpoint_id=str(objs))
-    with pytest.raises(CheckpointError, match="'obj' is a pickled object"):
-        check_safe(objs)
-    # what Checkpointer writes passes
-    model, opt, _, _ = _trained()
-    path, _ = Checkpointer(tmp_path / "run", pg).save(2, model, opt, {})
-    check_safe(path)
-
-
-def test_check_safe_refuses_dotted_names_reaching_outside_checkpoint_metadata(tmp_path):
-    marker = tmp_path / "pwned"
-    ckpt = tmp_path / "evil"
-    ckpt.mkdir()
-
-    def short(s: bytes) -> bytes:  # SHORT_BINUNICODE
-        return b"\x8c" + bytes([len(s)]) + s
-    # PROTO 4; STACK_GLOBAL(dcp.filesystem, "os.mkdir"); (marker,); REDUCE; STOP: harmless, but code runs
-    payload = (b"\x80\x04" + short(b"torch.distributed.checkpoint.filesystem") + short(b"os.mkdir") + b"\x93"
-               + short(str(marker).encode()) + b"\x85" + b"R" + b".")
-    (ckpt / ".metadata").write_bytes(payload)
-    try:
-        with pytest.raises(CheckpointError, match="refusing to load"):
-            check_safe(ckpt)
-    finally:
-        ran = marker.exists()
-    assert not ran, "the checkpoint's metadata ran os.mkdir"
-
-
-def test_rng_state_round_trip_restores_every_stream():
-    state = json.loads(json.dumps(rng_state()))  # stored as JSON per rank
-    first = (torch.rand(8), torch.randn(3), random.random(), random.gauss(0, 1), np.random.rand(4))
-    torch.manual_seed(12345)
-    random.seed(1)
-    np.random.seed(2)
-    set_rng_state(state)
-    again = (torch.rand(8), torch.randn(3), random.random(), random.gauss(0, 1), np.random.rand(4))
-    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
-    assert first[2] == again[2] and first[3] == again[3]
-    assert np.array_equal(first[4], again[4])
-
-
 # ---- evaluate -------------------------------------------------------------------------------------
 class FakeTask:
     """Like tasks/lm.py: collate -> batch dict, eval_sums -> per-batch sums, eval_metrics -> metrics."""
@@ -622,8 +376,8 @@ def test_hung_rank_waits_for_its_peers_reports_before_exiting(tmp_path):
     """The launcher stops the group when the first worker exits: a rank that exited at once would cut off
     the stacks of its peers, and the diagnosis would name no stuck rank."""
     dog0, dog1 = Watchdog(tmp_path, 0, 2, 5.0), Watchdog(tmp_path, 1, 2, 5.0)
-    dog0.beat(3, "sync")
-    dog1.beat(3, "start")
+    dog0.beat(3, Phase.SYNC)
+    dog1.beat(3, Phase.START)
     dog0._dump(6.0)
     waiter = threading.Thread(target=dog0._wait_for_peers)
     waiter.start()
@@ -633,6 +387,53 @@ def test_hung_rank_waits_for_its_peers_reports_before_exiting(tmp_path):
     waiter.join(2.0)
     assert not waiter.is_alive()
     assert "rank(s) 1 did not reach the collective at step 3" in summarize(tmp_path)
+
+
+def _stuck(tmp_path, *positions) -> str:
+    """The hang summary for ranks last seen at these (step, phase, micro) positions."""
+    for rank, (step, phase, micro) in enumerate(positions):
+        dog = Watchdog(tmp_path / str(positions), rank, len(positions), 5.0)
+        dog.beat(step, phase, micro)
+        dog._dump(6.0)
+    return summarize(tmp_path / str(positions))
+
+
+@pytest.mark.parametrize("behind,ahead", [
+    ((3, Phase.DATA, 0), (3, Phase.SYNC, 0)),                # the usual hang: one rank never reached the sync
+    ((3, Phase.CHECKPOINT_WRITTEN, 0), (3, Phase.START, 0)),  # step 3's checkpoint comes before step 3 itself
+    ((3, Phase.EVAL, 0), (3, Phase.CHECKPOINT, 0)),
+    ((3, Phase.FORWARD, 1), (3, Phase.BACKWARD, 1)),
+    ((3, Phase.BACKWARD, 0), (3, Phase.FORWARD, 1)),          # micro-batches order forward/backward ...
+    ((3, Phase.BACKWARD, 1), (3, Phase.OPTIMIZER, 0)),        # ... but the optimizer is past all of them
+    ((3, Phase.OPTIMIZER, 0), (4, Phase.EVAL, 0)),
+    ((6, Phase.CHECKPOINT_WRITTEN, 0), (6, Phase.EXPORT, 0)),
+])
+def test_the_hang_summary_names_the_rank_behind_in_step_order(tmp_path, behind, ahead):
+    for order in ((behind, ahead), (ahead, behind)):
+        stuck_rank = order.index(behind)
+        text = _stuck(tmp_path, *order)
+        assert f"rank(s) {stuck_rank} did not reach the collective at step {behind[0]} (last stage: {behind[1]})" \
+            in text, text
+
+
+def test_every_fault_kind_fires_at_one_phase_through_the_probe():
+    assert set(PHASE_OF) == set(KINDS)
+
+    class Beats:
+        def __init__(self):
+            self.seen = []
+
+        def beat(self, step, phase, micro=0):
+            self.seen.append((step, phase, micro))
+
+    beats = Beats()
+    probe = Probe(beats, parse_fault("nan:rank=1:step=4"), rank=1, attempt=0)
+    assert [probe(s, phase) for s, phase in ((3, Phase.FORWARD), (4, Phase.BACKWARD), (4, Phase.FORWARD))] == \
+        [False, False, True]  # poisons only at its step and phase
+    assert beats.seen == [(3, Phase.FORWARD, 0), (4, Phase.BACKWARD, 0), (4, Phase.FORWARD, 0)]
+    assert not Probe(beats, parse_fault("nan:rank=0:step=4"), rank=1, attempt=0)(4, Phase.FORWARD)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        Probe(beats, parse_fault("raise:step=2"), rank=0, attempt=0)(2, Phase.START)
 
 
 def test_train_state_keeps_the_data_order_of_its_checkpoint():

@@ -3,7 +3,8 @@
 Form: `KIND:key=value:...` with KIND one of kill, raise, sleep, nan, slow, kill_in_checkpoint and keys
 rank (default: every rank), step (the optimizer step at which it fires), attempt (elastic attempt,
 default 0), seconds (sleep, slow). `slow` fires at every step from `step` on (a straggler: the rank
-sleeps in its data phase). The loop reaches faults only through `Probe`.
+sleeps in its data phase). The loop reaches faults only through run/probe.py's `Probe`, which also
+decides the phase of a step where each kind fires.
 """
 from __future__ import annotations
 
@@ -59,26 +60,3 @@ def fire(fault: Fault) -> None:
         raise RuntimeError(f"injected failure (debug.fault) at step {fault.step}")
     elif fault.kind in ("sleep", "slow"):
         time.sleep(fault.seconds)
-
-
-# The phase of a step at which each kind fires (see Probe).
-PHASE_OF = {"kill": "start", "raise": "start", "sleep": "start", "slow": "sync", "nan": "forward",
-            "kill_in_checkpoint": "checkpoint_written"}
-
-
-class Probe:
-    """The loop's one call per phase of a step: it beats the hang watchdog and fires the injected fault
-    due at that step and phase. Returns True where a `nan` fault asks the caller to poison its value."""
-
-    def __init__(self, watchdog, fault: Fault | None, rank: int, attempt: int):
-        self.watchdog, self.fault, self.rank, self.attempt = watchdog, fault, rank, attempt
-
-    def __call__(self, step: int, phase: str, micro: int = 0) -> bool:
-        self.watchdog.beat(step, phase, micro)
-        f = self.fault
-        if f is None or PHASE_OF[f.kind] != phase or not f.applies(self.rank, step, self.attempt):
-            return False
-        if f.kind == "nan":
-            return True
-        fire(f)
-        return False

@@ -1,11 +1,18 @@
-"""Checkpoints: DCP shards for model and optimizer, JSON for everything else; atomic; safe to load.
+"""Checkpoints: one dict of stateful objects, stored as DCP shards (tensors) and JSON; atomic; safe to load.
+
+What a checkpoint holds is a `CheckpointDict`: named objects with `state_dict()`/`load_state_dict()`
+(torch.distributed.checkpoint's `Stateful`, as torchtitan's CheckpointManager keeps them), grouped by where
+their state is stored. This module knows only that layout, never what the entries are (train.py builds
+the dict; stateful.py adapts model, optimizer and RNG).
 
 Layout: RUN/checkpoints/step_000100/{*.distcp, .metadata, meta.json, rank_state/rank<r>.json} and
-RUN/checkpoints/latest (a text file naming the newest complete checkpoint). A checkpoint is written
-into `.tmp-step_000100` and renamed when complete, with meta.json written last, so a torn write never
-hides the previous good one. Loading never unpickles arbitrary objects: non-tensor state is JSON, DCP
-tensors are read with `weights_only=True`, and DCP's own `.metadata` pickle is read through an
-allow-list unpickler before DCP touches it.
+RUN/checkpoints/latest (a text file naming the newest complete checkpoint). `sharded` entries are DCP
+keys, `shared` entries keys of meta.json (with step, world_size, saved_at and the caller's provenance),
+`per_rank` entries keys of rank_state/rank<r>.json. A checkpoint is written into `.tmp-step_000100` and
+renamed when complete, with meta.json written last, so a torn write never hides the previous good one.
+Loading never unpickles arbitrary objects: non-tensor state is JSON, DCP tensors are read with
+`weights_only=True`, and DCP's own `.metadata` pickle is read through an allow-list unpickler before
+DCP touches it.
 """
 from __future__ import annotations
 
@@ -13,18 +20,18 @@ import io
 import json
 import os
 import pickle
-import random
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from phalanx.core import dist
+from phalanx.core.config import Config
 from phalanx.core.runfolder import RunFolder, write_json
 
 LATEST = "latest"
@@ -80,35 +87,21 @@ def check_safe(path: Path) -> None:
                                   f"are loaded")
 
 
-# ---- RNG states as JSON -------------------------------------------------------------------------
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    state = {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-             "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-             "torch": torch.get_rng_state().tolist()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        # This rank's device only: get_rng_state_all() would create a context on every GPU.
-        state["cuda"] = [torch.cuda.get_rng_state().tolist()]
-    return state
+# ---- the checkpoint dict ------------------------------------------------------------------------
+@dataclass
+class CheckpointDict:
+    """Everything a checkpoint holds, by where each entry's state is stored. An entry that a checkpoint
+    lacks, or saved empty (a disabled fp16 loss scaler), keeps its fresh state when loading, so older
+    checkpoints stay loadable as entries are added."""
+    sharded: dict[str, Stateful]                                   # tensors: DCP shards, resharded on load
+    shared: dict[str, Stateful] = field(default_factory=dict)      # JSON in meta.json, the same on every rank
+    per_rank: dict[str, Stateful] = field(default_factory=dict)    # JSON per rank; loaded at the same world size
 
 
-def set_rng_state(state: dict) -> None:
-    v, internal, gauss = state["python"]
-    random.setstate((v, tuple(internal), gauss))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
-        saved = state["cuda"]  # one entry (this rank's device), or one per device in older checkpoints
-        mine = saved[torch.cuda.current_device()] if len(saved) > 1 else saved[0]
-        torch.cuda.set_rng_state(torch.tensor(mine, dtype=torch.uint8))
-
-
-# ---- saving and loading -------------------------------------------------------------------------
-def _split_optim(osd: dict) -> tuple[dict, list]:
-    """Optimizer tensors (for DCP) and hyper-parameters (for JSON)."""
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in osd.get("param_groups", [])]
-    return osd.get("state", {}), groups
+def _load_json(entries: dict[str, Stateful], saved: dict) -> None:
+    for name, obj in entries.items():
+        if saved.get(name):
+            obj.load_state_dict(saved[name])
 
 
 class Checkpointer:
@@ -116,9 +109,11 @@ class Checkpointer:
         self.root = RunFolder(run_dir).checkpoints
         self.info, self.keep = info, keep
 
-    def save(self, step: int, model, optimizer, meta: dict, after_write=None) -> tuple[Path, float]:
-        """Collective: every rank calls it. Returns the final path and the seconds it took.
-        `after_write()` runs once this rank's shards are in the temporary folder (the loop's probe)."""
+    def save(self, step: int, states: CheckpointDict, provenance: dict | None = None,
+             after_write=None) -> tuple[Path, float]:
+        """Collective: every rank calls it. Returns the final path and the seconds it took. `provenance`
+        (e.g. the config that made the checkpoint) goes into meta.json as is; `after_write()` runs once this
+        rank's shards are in the temporary folder (the loop's probe)."""
         t0 = time.perf_counter()
         name = f"step_{step:06d}"
         tmp, final = self.root / f".tmp-{name}", self.root / name
@@ -126,16 +121,16 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rank_state").mkdir(parents=True)
         dist.barrier(self.info)
-        msd, osd = get_state_dict(model, optimizer)
-        optim_tensors, groups = _split_optim(osd)
-        dcp.save({"model": msd, "optim": optim_tensors}, checkpoint_id=str(tmp))
-        write_json(tmp / "rank_state" / f"rank{self.info.rank}.json", {"rng": rng_state()}, fsync=True)
+        dcp.save(dict(states.sharded), checkpoint_id=str(tmp))  # DCP calls each entry's state_dict()
+        write_json(tmp / "rank_state" / f"rank{self.info.rank}.json",
+                   {name: obj.state_dict() for name, obj in states.per_rank.items()}, fsync=True)
         if after_write:
             after_write()
         dist.barrier(self.info)
         if self.info.is_main:
-            write_json(tmp / META, {**meta, "step": step, "world_size": self.info.world_size,
-                                     "param_groups": groups, "saved_at": time.time()}, fsync=True)
+            meta = {**{name: obj.state_dict() for name, obj in states.shared.items()}, **(provenance or {}),
+                    "step": step, "world_size": self.info.world_size, "saved_at": time.time()}
+            write_json(tmp / META, meta, fsync=True)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -157,24 +152,30 @@ class Checkpointer:
     def latest(self) -> Path | None:
         return latest_in(self.root)
 
-    def load(self, path: Path, model, optimizer) -> tuple[dict, dict | None]:
-        """Collective. Returns (meta, this rank's saved state or None if the world size changed)."""
+    def load(self, path: Path, states: CheckpointDict) -> dict:
+        """Collective: load the checkpoint at `path` into `states`; returns its meta.json. Per-rank entries
+        load only if the world size is the one that saved them (each rank then continues its own)."""
         path = Path(path)
         meta = read_meta(path)
         check_safe(path)
-        msd, osd = get_state_dict(model, optimizer)
-        optim_tensors, _ = _split_optim(osd)
-        state = {"model": msd, "optim": optim_tensors}
-        dcp.load(state, checkpoint_id=str(path))
-        osd["state"] = state["optim"]
-        for group, saved in zip(osd["param_groups"], meta.get("param_groups", [])):
-            group.update(saved)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=osd)
+        _load_json(states.shared, meta)  # before the tensors: the optimizer applies its groups with them
+        # DCP asks each entry for its state_dict() as the template, reads into it, then load_state_dict()
+        dcp.load(dict(states.sharded), checkpoint_id=str(path))
         rank_file = path / "rank_state" / f"rank{self.info.rank}.json"
-        rank_state = None
         if meta.get("world_size") == self.info.world_size and rank_file.is_file():
-            rank_state = json.loads(rank_file.read_text())
-        return meta, rank_state
+            _load_json(states.per_rank, json.loads(rank_file.read_text()))
+        return meta
+
+
+def resolve_resume(cfg: Config) -> Path | None:
+    """The checkpoint `cfg.resume` selects: auto = the run folder's newest complete one (None if it has
+    none), never = None, else that folder. The launcher checks it; each worker (each elastic attempt)
+    resolves it again, since the run may have written newer ones since."""
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        return latest_in(RunFolder(cfg.run_dir).checkpoints)
+    return Path(cfg.resume)
 
 
 def complete_in(root: Path) -> list[Path]:

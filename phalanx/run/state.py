@@ -15,6 +15,7 @@ class TrainState:
     VERSION = 3
     step: int = 0                 # optimizer steps done
     samples_seen: int = 0         # the sampler's global offset: resumes the sample order on any world size
+                                  # (with data_order, all of the sampler's state: it needs no entry of its own)
     tokens_seen: int = 0
     nan_skips: int = 0            # steps skipped for a non-finite loss or gradient norm
     consecutive_nan: int = 0
@@ -25,6 +26,13 @@ class TrainState:
     # checkpoint without the field) = a stored permutation, groups of single micro-batches. A resume keeps
     # its run's order, so an epoch in progress still sees every sample once.
     data_order: int = 3
+
+    def advance(self, samples: int, tokens: int, seconds: float) -> None:
+        """One optimizer step done: `samples` is the global batch (the sampler's offset moves by it)."""
+        self.step += 1
+        self.samples_seen += samples
+        self.tokens_seen += tokens
+        self.train_time_s += seconds
 
     def state_dict(self) -> dict:
         return {"version": self.VERSION, **dataclasses.asdict(self)}

@@ -9,19 +9,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import os
-import shutil
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-)
 
 from phalanx.core import dist
 from phalanx.core.config import (
@@ -32,53 +25,22 @@ from phalanx.core.config import (
     relevant_subset,
     save_yaml,
 )
-from phalanx.core.faults import Probe, parse_fault
+from phalanx.core.faults import parse_fault
 from phalanx.core.runfolder import RunFolder, write_json
 from phalanx.data.samplers import GlobalBatchSampler
 from phalanx.model import precision
-from phalanx.model.build import (
-    count_parameters,
-    quiet_transformers,
-    tie_shared,
-    unwrap,
-    wrap,
-)
-from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl, restore_impl
-from phalanx.run.checkpoint import Checkpointer, set_rng_state
+from phalanx.model.build import count_parameters, quiet_transformers, wrap
+from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl
+from phalanx.run.checkpoint import CheckpointDict, Checkpointer, resolve_resume
 from phalanx.run.evaluate import evaluate
+from phalanx.run.export import export_final
 from phalanx.run.monitor import Monitor
+from phalanx.run.probe import Probe
 from phalanx.run.state import PreemptionFlag, StopTraining, TrainState
+from phalanx.run.stateful import ModelState, OptimizerState, RNGState
 from phalanx.run.telemetry import Telemetry
-from phalanx.run.watchdog import Watchdog
+from phalanx.run.watchdog import Phase, Watchdog
 from phalanx.tasks import get_task
-
-
-def micro_seed(seed: int, step: int, micro_id: int) -> int:
-    """Seed for one micro-batch's randomness (dropout), independent of which rank runs it."""
-    return int(np.random.SeedSequence([seed, step, micro_id]).generate_state(1)[0])
-
-
-def sync_context(wrapped, model, sync: bool):
-    """Skip the gradient all-reduce on non-final micro-steps (DDP no_sync / FSDP2 equivalent)."""
-    if sync or wrapped is model and not hasattr(model, "set_requires_gradient_sync"):
-        return contextlib.nullcontext()
-    if hasattr(wrapped, "no_sync"):
-        return wrapped.no_sync()
-    return _fsdp_no_sync(model)
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model):
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def _say(info, text: str) -> None:
-    if info.is_main:
-        print(text, flush=True)
 
 
 def train(cfg: Config | str) -> dict:
@@ -101,6 +63,48 @@ def train(cfg: Config | str) -> dict:
         gc.collect()
     dist.teardown()
     return summary
+
+
+def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
+    """Set up (data, model, optimizer, resume), loop, then export and summarise (or stop preempted)."""
+    t, folder, started_at = cfg.train, RunFolder(cfg.run_dir), time.time()
+    quiet_transformers()
+    accum = check_world(cfg, info.world_size)
+    if info.is_main:
+        _prepare_run_dir(cfg, folder)
+
+    # ---- data, model, optimizer, resume ------------------------------------------------------
+    task = get_task(cfg.task)(cfg, info)
+    task.prepare()
+    tr = build_trainee(cfg, info, task)
+    _say(info, _start_line(cfg, info, tr, accum))
+    state = TrainState()
+    checkpointer, saved = Checkpointer(folder.root, info, t.keep_checkpoints), checkpoint_dict(tr, state)
+    resumed = _resume(cfg, checkpointer, saved, state, info)
+    sampler = GlobalBatchSampler(len(task.train_set), t.global_batch_size, t.micro_batch_size, t.seed,
+                                 task.train_order(state.data_order))
+    monitor = Monitor(folder.root, enabled=info.is_main, progress=cfg.log.progress, max_steps=t.max_steps,
+                      start_step=state.step, cfg=cfg)
+    if resumed:
+        monitor.log(resumed)
+    run = Run(cfg, info, folder, Probe(watchdog, parse_fault(cfg.debug.fault), info.rank, info.attempt), monitor,
+              checkpointer, saved, start_step=state.step, started_at=started_at)
+    run.telemetry = Telemetry(info, cfg, n_params=count_parameters(tr.model), model=tr.model, wrapped=tr.wrapped,
+                              amp_dtype=tr.amp_dtype, monitor=monitor)
+    run.preempt = PreemptionFlag()
+    watchdog.timeout_s = cfg.dist.timeout_s  # start-up is over: the training timeout applies
+
+    # ---- the loop, then the finish -------------------------------------------------------------
+    stopped, eval_metrics = _loop(run, tr, task, sampler, state)
+    if stopped:
+        if info.is_main:
+            folder.mark_preempted(state.step, run.preempt.signal)
+        monitor.message(f"phalanx: preempted at step {state.step}; checkpoint written")
+        monitor.close()
+        return {"preempted": True, "step": state.step}
+    run.probe(state.step, Phase.EXPORT)
+    export_final(tr.model, task, folder, info)
+    return _finish(run, tr, task, state, eval_metrics, accum)
 
 
 @dataclass
@@ -131,6 +135,105 @@ def build_trainee(cfg: Config, info: dist.DistInfo, task) -> Trainee:
                    autocast=precision.autocast_factory(info.device, amp_dtype), amp_dtype=amp_dtype)
 
 
+def checkpoint_dict(tr: Trainee, state: TrainState) -> CheckpointDict:
+    """What a checkpoint holds: every object whose state a resumed run needs, by name. The sampler has no
+    entry: its position is `state.samples_seen` (with `state.data_order`)."""
+    optim = OptimizerState(tr.model, tr.optimizer)
+    return CheckpointDict(
+        sharded={"model": ModelState(tr.model), "optim": optim},
+        shared={"train_state": state, "schedule": tr.schedule, "scaler": tr.scaler, "param_groups": optim.groups},
+        per_rank={"rng": RNGState()})  # dropout is seeded per micro-batch; other streams continue per rank
+
+
+def _start_line(cfg: Config, info: dist.DistInfo, tr: Trainee, accum: int) -> str:
+    t = cfg.train
+    return (f"phalanx: task {cfg.task}, {count_parameters(tr.model) / 1e6:.2f}M parameters, world size "
+            f"{info.world_size} ({info.backend}, {torch.get_num_threads()} threads/process), global batch "
+            f"{t.global_batch_size} = micro {t.micro_batch_size} x world {info.world_size} x accum {accum}, "
+            f"precision {precision.describe(t.precision, tr.amp_dtype)}, strategy "
+            f"{t.strategy if info.world_size > 1 else 'single'}, optimizer AdamW {optimizer_impl(tr.optimizer)}")
+
+
+def _resume(cfg: Config, checkpointer: Checkpointer, saved: CheckpointDict, state: TrainState, info) -> dict | None:
+    """Load the checkpoint `cfg.resume` selects into the objects of `saved` (`state` among them); the event
+    to log."""
+    path = resolve_resume(cfg)
+    if path is None:
+        return None
+    t_load = time.perf_counter()
+    meta = checkpointer.load(path, saved)
+    _say(info, f"phalanx: resumed from {path} at step {state.step} (saved by world size "
+               f"{meta['world_size']}; global sample offset {state.samples_seen}; elastic attempt "
+               f"{info.attempt})")
+    return {"step": state.step, "event": "resumed", "from": str(path),
+            "load_s": round(time.perf_counter() - t_load, 4), "attempt": info.attempt,
+            "saved_world_size": meta["world_size"]}
+
+
+@dataclass
+class Run:
+    """The per-run collaborators every stage of the loop uses."""
+    cfg: Config
+    info: dist.DistInfo
+    folder: RunFolder
+    probe: Probe                  # one call per phase: hang watchdog beat + injected faults
+    monitor: Monitor
+    checkpointer: Checkpointer
+    saved: CheckpointDict         # what each checkpoint saves
+    start_step: int               # the step this attempt started (or resumed) at
+    started_at: float             # time.time() when the worker started
+    telemetry: Telemetry | None = None
+    preempt: PreemptionFlag | None = None
+    first_step_at: float | None = None
+
+
+def _loop(run: Run, tr: Trainee, task, sampler: GlobalBatchSampler, state: TrainState) -> tuple[bool, dict]:
+    """Steps until train.max_steps or a stop all ranks agreed on. At the top of each pass, what the steps
+    so far earned: evaluation and checkpoint on their intervals, and both at the last step (the same code).
+    Returns (stopped early, the last evaluation's metrics)."""
+    t, monitor = run.cfg.train, run.monitor
+    stop, checkpoint_due, last_ckpt_time, eval_metrics = False, False, time.time(), {}
+    while True:
+        step = state.step
+        last_step = step >= t.max_steps
+        if step > run.start_step and (last_step or _due(step, t.eval_every)):
+            run.probe(step, Phase.EVAL)
+            eval_metrics = evaluate(task, tr.model, task.val_set, run.info, t.micro_batch_size, t.eval_max_samples,
+                                    tr.autocast)
+            monitor.eval(step, eval_metrics)
+        if step > run.start_step and (last_step or stop or checkpoint_due or _due(step, t.checkpoint_every)):
+            _save(run, state)
+            last_ckpt_time = time.time()
+        if last_step or stop:
+            return stop, eval_metrics
+
+        minutes_due = bool(t.checkpoint_every_minutes) and time.time() - last_ckpt_time > 60 * t.checkpoint_every_minutes
+        r = train_step(run, tr, task, sampler, state, votes=(run.preempt.requested, minutes_due))
+        state.advance(t.global_batch_size, int(r.tokens), r.times[-1] - r.times[0])
+        run.first_step_at = run.first_step_at or time.time()
+        stop, checkpoint_due = r.stop, r.checkpoint_due
+        run.telemetry.step(r)
+
+        step = state.step
+        if step % t.log_every == 0 or step == t.max_steps or stop:
+            # loss, rates, time split, per-rank resources, MFU: one gather on all ranks, the line on rank 0
+            monitor.train(step, {**run.telemetry.collect(step), "lr": r.lr, "grad_norm": r.grad_norm,
+                                 "tokens_seen": state.tokens_seen, "epoch": state.samples_seen / len(task.train_set)})
+
+
+def _due(step: int, every: int) -> bool:
+    return bool(every) and step % every == 0
+
+
+def _save(run: Run, state: TrainState) -> None:
+    step = state.step
+    run.probe(step, Phase.CHECKPOINT)
+    path, seconds = run.checkpointer.save(step, run.saved,
+                                          {"config_hash": config_hash(run.cfg), "config": relevant_subset(run.cfg)},
+                                          after_write=lambda: run.probe(step, Phase.CHECKPOINT_WRITTEN))
+    run.monitor.log({"step": step, "event": "checkpoint", "checkpoint_s": round(seconds, 4), "path": str(path)})
+
+
 @dataclass
 class StepResult:
     loss_sum: float     # this rank's summed loss over its micro-batches
@@ -145,139 +248,56 @@ class StepResult:
     times: tuple        # perf_counter marks: start, sync, after sync, after backward, end
 
 
-@dataclass
-class Run:
-    """The per-run collaborators every stage of the loop uses."""
-    cfg: Config
-    info: dist.DistInfo
-    folder: RunFolder
-    probe: Probe          # one call per phase: hang watchdog beat + injected faults
-    monitor: Monitor
-    telemetry: Telemetry | None = None
-
-
-def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
-    t, folder = cfg.train, RunFolder(cfg.run_dir)
-    t_launch = time.time()
-    quiet_transformers()
-    accum = check_world(cfg, info.world_size)
-    if info.is_main:
-        _prepare_run_dir(cfg, folder)
-
-    # ---- data, model, optimizer, resume ------------------------------------------------------
-    task = get_task(cfg.task)(cfg, info)
-    task.prepare()
-    tr = build_trainee(cfg, info, task)
-    n_params = count_parameters(tr.model)
-    _say(info, f"phalanx: task {cfg.task}, {n_params / 1e6:.2f}M parameters, world size {info.world_size} "
-               f"({info.backend}, {torch.get_num_threads()} threads/process), global batch "
-               f"{t.global_batch_size} = micro {t.micro_batch_size} x world {info.world_size} x accum {accum}, "
-               f"precision {precision.describe(t.precision, tr.amp_dtype)}, strategy "
-               f"{t.strategy if info.world_size > 1 else 'single'}, optimizer AdamW {optimizer_impl(tr.optimizer)}")
-    ckpt = Checkpointer(folder.root, info, t.keep_checkpoints)
-    state = TrainState()
-    resumed = _resume(cfg, ckpt, tr, state, info)
-    start_step = state.step
-    sampler = GlobalBatchSampler(len(task.train_set), t.global_batch_size, t.micro_batch_size, t.seed,
-                                 task.train_order(state.data_order))
-    monitor = Monitor(folder.root, enabled=info.is_main, progress=cfg.log.progress, max_steps=t.max_steps,
-                      start_step=start_step, cfg=cfg)
-    if resumed:
-        monitor.log(resumed)
-    run = Run(cfg, info, folder, Probe(watchdog, parse_fault(cfg.debug.fault), info.rank, info.attempt), monitor)
-    run.telemetry = Telemetry(info, cfg, n_params=n_params, model=tr.model, wrapped=tr.wrapped,
-                              amp_dtype=tr.amp_dtype, monitor=monitor)
-    preempt = PreemptionFlag()
-    watchdog.timeout_s = cfg.dist.timeout_s  # start-up is over: the training timeout applies
-
-    # ---- the loop ----------------------------------------------------------------------------
-    stop, checkpoint_due, last_ckpt_time, eval_metrics = False, False, time.time(), {}
-    first_step_at = None
-    while True:
-        step = state.step
-        last_step = step >= t.max_steps
-        if step > start_step and (last_step or (t.eval_every and step % t.eval_every == 0)):
-            run.probe(step, "eval")
-            eval_metrics = evaluate(task, tr.model, task.val_set, info, t.micro_batch_size, t.eval_max_samples,
-                                    tr.autocast)
-            monitor.eval(step, eval_metrics)
-        if step > start_step and (last_step or stop or checkpoint_due or
-                                  (t.checkpoint_every and step % t.checkpoint_every == 0)):
-            _save(run, ckpt, tr, state)
-            last_ckpt_time = time.time()
-        if last_step or stop:
-            break
-
-        minutes_due = bool(t.checkpoint_every_minutes) and time.time() - last_ckpt_time > 60 * t.checkpoint_every_minutes
-        r = train_step(run, tr, task, sampler, state, votes=(preempt.requested, minutes_due))
-        state.step += 1
-        state.samples_seen += t.global_batch_size
-        state.tokens_seen += int(r.tokens)
-        state.train_time_s += r.times[-1] - r.times[0]
-        first_step_at = first_step_at or time.time()
-        stop, checkpoint_due = r.stop, r.checkpoint_due
-        run.telemetry.step(r)
-
-        step = state.step
-        if step % t.log_every == 0 or step == t.max_steps or stop:
-            # loss, rates, time split, per-rank resources, MFU: one gather on all ranks, the line on rank 0
-            monitor.train(step, {**run.telemetry.collect(step), "lr": r.lr, "grad_norm": r.grad_norm,
-                                 "tokens_seen": state.tokens_seen, "epoch": state.samples_seen / len(task.train_set)})
-
-    # ---- finish ------------------------------------------------------------------------------
-    if stop:
-        if info.is_main:
-            folder.mark_preempted(state.step, preempt.signal)
-        monitor.message(f"phalanx: preempted at step {state.step}; checkpoint written")
-        monitor.close()
-        return {"preempted": True, "step": state.step}
-    export_final(tr.model, task, folder, info)
-    summary = {
-        "task": cfg.task, "name": cfg.name, "world_size": info.world_size, "global_batch_size": t.global_batch_size,
-        "micro_batch_size": t.micro_batch_size, "grad_accum": accum, "steps": state.step,
-        "tokens_seen": state.tokens_seen, "samples_seen": state.samples_seen,
-        "nan_skipped_steps": state.nan_skips, "parameters": n_params,
-        "train_time_s": round(state.train_time_s, 3),
-        "tokens_per_s": state.tokens_seen / max(state.train_time_s, 1e-9),
-        "wall_time_s": round(time.time() - t_launch, 3),
-        "startup_s": round((first_step_at or time.time()) - t_launch, 3),
-        "resumed_from_step": start_step, "optimizer_impl": optimizer_impl(tr.optimizer),
-        **eval_metrics, **task.summary_extra(), **run.telemetry.summary()}
-    if info.is_main:
-        write_json(folder.summary, summary)
-    shown = ", ".join(f"{k} {v:.4g}" for k, v in eval_metrics.items() if isinstance(v, float))
-    monitor.message(f"phalanx: done at step {state.step}" + (f"; final {shown}" if shown else "")
-                    + f"; final model in {folder.final}\nnext: " + "\n      ".join(task.next_commands(folder.root)))
-    monitor.close()
-    return summary
-
-
 def train_step(run: Run, tr: Trainee, task, sampler: GlobalBatchSampler, state: TrainState,
                votes: tuple[bool, bool]) -> StepResult:
     """One optimizer step: this rank's micro-batches of the global batch, one gradient all-reduce.
     `votes`: this rank asks to stop (preemption) / to checkpoint now (time-based)."""
     step, info = state.step, run.info
-    run.probe(step, "start")
+    run.probe(step, Phase.START)
     t0 = time.perf_counter()
+    run.probe(step, Phase.DATA)
     global_ids = sampler.global_batch(state.samples_seen)
     micro_ids = sampler.micro_batch_ids(info.rank, info.world_size)
     batches = [dist.to_device(task.collate(task.train_set, ids), info.device)
                for ids in sampler.rank_micro_batches(global_ids, info.rank, info.world_size)]
     local = [sum(task.target_count(b) for b in batches), sum(task.batch_tokens(b) for b in batches),
              sum(task.useful_tokens(b) for b in batches)]
-    run.probe(step, "sync")
+    run.probe(step, Phase.SYNC)
     t_sync = time.perf_counter()
     # One small collective per step: the global target count (loss normaliser) and the stop votes.
     count, tokens, useful, stop_votes, time_votes = dist.all_reduce([*local, *map(float, votes)], info)
     t1 = time.perf_counter()
     losses = _forward_backward(run, tr, task, batches, micro_ids, count, step)
     t2 = time.perf_counter()
-    run.probe(step, "optimizer")
+    run.probe(step, Phase.OPTIMIZER)
     grad_norm, lr = _optimizer_step(run, tr, state, losses, micro_ids)
     t3 = time.perf_counter()
     return StepResult(loss_sum=float(sum(losses)), count=count, tokens=tokens, useful=useful,
                       local_tokens=local[1], stop=stop_votes > 0, checkpoint_due=time_votes > 0,
                       grad_norm=grad_norm, lr=lr, times=(t0, t_sync, t1, t2, t3))
+
+
+def micro_seed(seed: int, step: int, micro_id: int) -> int:
+    """Seed for one micro-batch's randomness (dropout), independent of which rank runs it."""
+    return int(np.random.SeedSequence([seed, step, micro_id]).generate_state(1)[0])
+
+
+def sync_context(wrapped, model, sync: bool):
+    """Skip the gradient all-reduce on non-final micro-steps (DDP no_sync / FSDP2 equivalent)."""
+    if sync or wrapped is model and not hasattr(model, "set_requires_gradient_sync"):
+        return contextlib.nullcontext()
+    if hasattr(wrapped, "no_sync"):
+        return wrapped.no_sync()
+    return _fsdp_no_sync(model)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def _forward_backward(run: Run, tr: Trainee, task, batches, micro_ids, count, step) -> list:
@@ -286,12 +306,12 @@ def _forward_backward(run: Run, tr: Trainee, task, batches, micro_ids, count, st
     for k, (batch, mid) in enumerate(zip(batches, micro_ids)):
         torch.manual_seed(micro_seed(run.cfg.train.seed, step, mid))
         with sync_context(tr.wrapped, tr.model, k == len(batches) - 1):
-            poison = run.probe(step, "forward", k)
+            poison = run.probe(step, Phase.FORWARD, k)
             with tr.autocast():
                 loss = task.loss_sum(tr.forward, batch)
             if poison:  # test-only: debug.fault nan
                 loss = loss * float("nan")
-            run.probe(step, "backward", k)
+            run.probe(step, Phase.BACKWARD, k)
             tr.scaler.scale(loss * (world / count)).backward()
         losses.append(loss.detach())  # no host sync here: checked only if the step turns out non-finite
     return losses
@@ -333,37 +353,28 @@ def _non_finite(run: Run, state: TrainState, bad_micro: float) -> None:
     run.monitor.log({"step": step + 1, "event": "nan_skip", "where": where})
 
 
-def _resume(cfg: Config, ckpt: Checkpointer, tr: Trainee, state: TrainState, info) -> dict | None:
-    """Load the checkpoint `cfg.resume` selects into the trainee and `state`; the event to log."""
-    path = ckpt.latest() if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "never" else None)
-    if path is None:
-        return None
-    t_load = time.perf_counter()
-    impl = optimizer_impl(tr.optimizer)
-    meta, rank_state = ckpt.load(path, tr.model, tr.optimizer)
-    restore_impl(tr.optimizer, impl)  # the checkpoint's may differ: speed only, same state
-    state.load_state_dict(meta["train_state"])
-    tr.schedule.load_state_dict(meta["schedule"])
-    if meta.get("scaler"):
-        tr.scaler.load_state_dict(meta["scaler"])
-    if rank_state:  # same world size: continue each rank's RNG streams (dropout is seeded per micro-batch)
-        set_rng_state(rank_state["rng"])
-    _say(info, f"phalanx: resumed from {path} at step {state.step} (saved by world size "
-               f"{meta['world_size']}; global sample offset {state.samples_seen}; elastic attempt "
-               f"{info.attempt})")
-    return {"step": state.step, "event": "resumed", "from": str(path),
-            "load_s": round(time.perf_counter() - t_load, 4), "attempt": info.attempt,
-            "saved_world_size": meta["world_size"]}
-
-
-def _save(run: Run, ckpt: Checkpointer, tr: Trainee, state: TrainState) -> None:
-    step = state.step
-    run.probe(step, "checkpoint")
-    meta = {"train_state": state.state_dict(), "schedule": tr.schedule.state_dict(),
-            "scaler": tr.scaler.state_dict(), "config_hash": config_hash(run.cfg), "config": relevant_subset(run.cfg)}
-    path, seconds = ckpt.save(step, tr.model, tr.optimizer, meta,
-                              after_write=lambda: run.probe(step, "checkpoint_written"))
-    run.monitor.log({"step": step, "event": "checkpoint", "checkpoint_s": round(seconds, 4), "path": str(path)})
+def _finish(run: Run, tr: Trainee, task, state: TrainState, eval_metrics: dict, accum: int) -> dict:
+    """The summary (RUN/summary.json) and the closing lines."""
+    cfg, info, t, now = run.cfg, run.info, run.cfg.train, time.time()
+    summary = {
+        "task": cfg.task, "name": cfg.name, "world_size": info.world_size, "global_batch_size": t.global_batch_size,
+        "micro_batch_size": t.micro_batch_size, "grad_accum": accum, "steps": state.step,
+        "tokens_seen": state.tokens_seen, "samples_seen": state.samples_seen,
+        "nan_skipped_steps": state.nan_skips, "parameters": count_parameters(tr.model),
+        "train_time_s": round(state.train_time_s, 3),
+        "tokens_per_s": state.tokens_seen / max(state.train_time_s, 1e-9),
+        "wall_time_s": round(now - run.started_at, 3),
+        "startup_s": round((run.first_step_at or now) - run.started_at, 3),
+        "resumed_from_step": run.start_step, "optimizer_impl": optimizer_impl(tr.optimizer),
+        **eval_metrics, **task.summary_extra(), **run.telemetry.summary()}
+    if info.is_main:
+        write_json(run.folder.summary, summary)
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in eval_metrics.items() if isinstance(v, float))
+    run.monitor.message(f"phalanx: done at step {state.step}" + (f"; final {shown}" if shown else "")
+                        + f"; final model in {run.folder.final}\nnext: "
+                        + "\n      ".join(task.next_commands(run.folder.root)))
+    run.monitor.close()
+    return summary
 
 
 def _prepare_run_dir(cfg: Config, folder: RunFolder) -> None:
@@ -373,14 +384,6 @@ def _prepare_run_dir(cfg: Config, folder: RunFolder) -> None:
     folder.error.unlink(missing_ok=True)
 
 
-def export_final(model, task, folder: RunFolder, info: dist.DistInfo) -> None:
-    """Write RUN/final in the Hugging Face format (safetensors) with the tokenizer, atomically."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def _say(info, text: str) -> None:
     if info.is_main:
-        final, tmp = folder.final, folder.root / ".final.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrap(model).save_pretrained(tmp, state_dict=tie_shared(full, model))
-        task.tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    dist.barrier(info)
+        print(text, flush=True)

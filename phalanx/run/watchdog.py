@@ -1,6 +1,6 @@
 """Hang diagnosis: a per-rank thread that notices when the loop stops making progress.
 
-The loop calls `beat(step, phase)` at each stage of a step. If no beat arrives within the timeout,
+The loop calls `beat(step, phase)` at each phase of a step (through run/probe.py). If no beat arrives within the timeout,
 the thread writes this rank's Python stacks (all threads) and its last position to RUN/hang/rank<r>.txt
 and ends the process with HANG_EXIT, so the job stops instead of waiting forever. Before exiting it
 waits (briefly) for the other ranks' files: the launcher stops the whole group as soon as one worker
@@ -15,19 +15,34 @@ import json
 import os
 import threading
 import time
+from enum import StrEnum
 from pathlib import Path
 
 from phalanx.core.runfolder import EXIT_HANG as HANG_EXIT
 
-# Order of the stages within one step; a rank at an earlier stage is behind.
-PHASES = ("start", "sync", "data", "forward", "backward", "optimizer", "eval", "checkpoint", "checkpoint_written",
-          "done")
+
+class Phase(StrEnum):
+    """The phases of step s, in the order a rank passes them (a rank at an earlier one is behind): first what
+    s finished steps earned (evaluation, checkpoint), then the step itself; at the last step, the export."""
+    EVAL = "eval"
+    CHECKPOINT = "checkpoint"
+    CHECKPOINT_WRITTEN = "checkpoint_written"   # this rank's shards are on disk
+    START = "start"
+    DATA = "data"                               # this rank's micro-batches are read and collated
+    SYNC = "sync"                               # the step's one-vector all-reduce (counts, stop votes)
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    EXPORT = "export"                           # RUN/final, after the last checkpoint
+
+
+_ORDER = {phase.value: i for i, phase in enumerate(Phase)}
 
 
 class Watchdog:
     def __init__(self, folder: Path, rank: int, world_size: int, timeout_s: float):
         self.folder, self.rank, self.world_size, self.timeout_s = Path(folder), rank, world_size, timeout_s
-        self.position = {"step": -1, "micro": 0, "phase": "start"}
+        self.position = {"step": -1, "micro": 0, "phase": Phase.START.value}
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="phalanx-watchdog", daemon=True)
@@ -36,8 +51,8 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def beat(self, step: int, phase: str, micro: int = 0) -> None:
-        self.position = {"step": step, "micro": micro, "phase": phase}
+    def beat(self, step: int, phase: Phase, micro: int = 0) -> None:
+        self.position = {"step": step, "micro": micro, "phase": phase.value}
         self._last = time.monotonic()
 
     def stop(self) -> None:
@@ -71,8 +86,14 @@ class Watchdog:
 
 
 def _key(pos: dict) -> tuple:
-    phase = pos.get("phase", "start")
-    return pos.get("step", -1), pos.get("micro", 0), PHASES.index(phase) if phase in PHASES else 0
+    """Where a rank is, as a sortable tuple. Micro-batch numbers order only the forward/backward phases
+    (which repeat per micro-batch): a rank at the optimizer is past every micro-batch."""
+    phase = _ORDER.get(pos.get("phase"), _ORDER[Phase.START])
+    if _ORDER[Phase.FORWARD] <= phase <= _ORDER[Phase.BACKWARD]:
+        stage, micro = 1, pos.get("micro", 0)
+    else:
+        stage, micro = (0 if phase < _ORDER[Phase.FORWARD] else 2), 0
+    return pos.get("step", -1), stage, micro, phase
 
 
 def summarize(folder: Path) -> str | None:

@@ -40,7 +40,7 @@ from phalanx.core.runfolder import (
     read_json,
 )
 from phalanx.model import precision
-from phalanx.run.checkpoint import CheckpointError, check_safe, latest_in, read_meta
+from phalanx.run.checkpoint import CheckpointError, check_safe, read_meta, resolve_resume
 from phalanx.run.train import train
 from phalanx.run.watchdog import summarize
 from phalanx.tasks import get_task, prepare_data
@@ -87,10 +87,7 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
         raise ConfigError(problem)
     check_hardware(cfg)
     get_task(cfg.task).check_config(cfg)
-    if cfg.resume not in ("auto", "never"):
-        path = Path(cfg.resume)
-    else:
-        path = latest_in(RunFolder(cfg.run_dir).checkpoints) if cfg.resume == "auto" else None
+    path = resolve_resume(cfg)
     try:
         meta = read_meta(path) if path else None
         if path:

@@ -90,17 +90,15 @@ def cmd_prepare(args) -> int:
     from phalanx.core.config import (
         load_config,  # lazy, like every command's modules: only the chosen one loads
     )
+    from phalanx.data.prepare import describe
     from phalanx.tasks import prepare_data
 
     if args.workers < 0:
         raise ConfigError(f"--workers: expected >= 0, got {args.workers}")
     config, overrides = _split_config_and_overrides(args.items)
     cfg = load_config(config, overrides)
-    summaries = prepare_data(cfg, args.workers, progress=not args.quiet)
-    for split, s in summaries.items():
-        how = "already prepared" if s.get("reused") else f"prepared in {s['seconds']:.1f} s ({s['mb_per_s']:.1f} MB/s)"
-        print(f"{split}: {s['source']}: {s['files']} file(s), {s['documents']:,} documents, {s['tokens']:,} tokens, "
-              f"{s['shards']} shard(s), {s['store_bytes'] / 1e6:.1f} MB; {how}; {s['folder']}")
+    for summary in prepare_data(cfg, args.workers, progress=not args.quiet).values():
+        print(describe(summary))  # one summary shape for every task
     return 0
 
 

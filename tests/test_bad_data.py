@@ -17,7 +17,9 @@ from test_prepare import tokenizer_dir
 from tokenizers import Tokenizer
 
 from phalanx.core.config import ConfigError, load_config
-from phalanx.data import lm_store, store
+from phalanx.data import prepare as pipeline
+from phalanx.data import store
+from phalanx.data.lm_store import LM
 from phalanx.data import tokenizer as toks
 from phalanx.tasks.classify import ClassifyTask
 
@@ -36,7 +38,7 @@ def cfg_for(data, cache: Path, *extra):
 
 
 def prepare(data, cache: Path, *extra, workers: int = 1) -> dict:
-    return lm_store.prepare_lm(cfg_for(data, cache, *extra), workers, progress=False)
+    return pipeline.prepare(cfg_for(data, cache, *extra), LM, workers, progress=False)
 
 
 def assert_fails(data, cache: Path, message: str, *extra, workers: int = 1) -> str:
@@ -124,13 +126,15 @@ def test_a_byte_order_mark_at_the_start_is_accepted_with_the_same_ids(tmp_path, 
     data = (tmp_path / "mid.jsonl").read_bytes().split(b"\n")
     data[2] = b"\xef\xbb\xbf" + data[2]
     (tmp_path / "mid.jsonl").write_bytes(b"\n".join(data))
-    assert_fails(tmp_path / "mid.jsonl", tmp_path / "c-mid", "mid.jsonl' line 3: malformed JSON", f"data.tokenizer={tok}")
+    assert_fails(tmp_path / "mid.jsonl", tmp_path / "c-mid", "mid.jsonl' line 3: malformed JSON",
+                 f"data.tokenizer={tok}")
 
 
 def test_compressed_files_and_json_arrays_say_what_to_do(tmp_path):
     rows = [{"text": line} for line in LINES[:200]]
     (tmp_path / "z.jsonl").write_bytes(gzip.compress(jsonl(tmp_path / "plain.jsonl", rows).read_bytes()))
-    assert_fails(tmp_path / "z.jsonl", tmp_path / "c1", f"data file '{tmp_path / 'z.jsonl'}': gzip-compressed; decompress it")
+    assert_fails(tmp_path / "z.jsonl", tmp_path / "c1",
+                 f"data file '{tmp_path / 'z.jsonl'}': gzip-compressed; decompress it")
     (tmp_path / "z.txt").write_bytes(gzip.compress(b"some text\n" * 100))
     assert_fails(tmp_path / "z.txt", tmp_path / "c2", "z.txt': gzip-compressed; decompress it")
     for name, text in (("one.json", json.dumps(rows)), ("pretty.json", json.dumps(rows, indent=2)),
@@ -196,7 +200,8 @@ def test_classification_rows_with_wrong_fields_name_the_row(tmp_path):
         return ClassifyTask.prepare_data(cfg, 1, False)
 
     rows = [{"text": line, "label": i % 2} for i, line in enumerate(LINES[:200])]
-    pq.write_table(pa.table({"text": [r["text"] for r in rows], "label": [r["label"] for r in rows]}), tmp_path / "ok.parquet")
+    columns = {"text": [r["text"] for r in rows], "label": [r["label"] for r in rows]}
+    pq.write_table(pa.table(columns), tmp_path / "ok.parquet")
     prepare_classify(tmp_path / "ok.parquet", "ok")  # control
     pq.write_table(pa.table({"text": [r["text"] for r in rows]}), tmp_path / "nolabel.parquet")
     with pytest.raises(ConfigError, match="nolabel.parquet': missing field 'label' \\(fields: text\\)"):

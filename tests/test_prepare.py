@@ -15,7 +15,8 @@ from conftest import REPO, SHAKESPEARE, phalanx
 from tokenizers import Tokenizer
 
 from phalanx.core.config import load_config
-from phalanx.data import lm_store, pieces, store
+from phalanx.data import pieces, prepare, store
+from phalanx.data.lm_store import LM
 from phalanx.data import tokenizer as toks
 from phalanx.data.samplers import GlobalBatchSampler
 from phalanx.tasks.lm import blocks
@@ -80,7 +81,7 @@ def store_bytes(cache: Path) -> tuple[bytes, list]:
 def test_store_equals_one_array_reference_and_is_identical_for_1_and_2_workers(tmp_path):
     data = corpus(tmp_path)
     for workers in (1, 2):
-        lm_store.prepare_lm(cfg_for(data, tmp_path / f"c{workers}", "data.shard_mb=0.004"), workers, progress=False)
+        prepare.prepare(cfg_for(data, tmp_path / f"c{workers}", "data.shard_mb=0.004"), LM, workers, progress=False)
     (b1, s1), (b2, s2) = store_bytes(tmp_path / "c1"), store_bytes(tmp_path / "c2")
     assert len(s1) > 20 and s1 == s2 and b1 == b2
     # Reference: each file encoded in one call by `tokenizers`, an end-of-text token after each document.
@@ -100,8 +101,8 @@ def test_store_equals_one_array_reference_and_is_identical_for_1_and_2_workers(t
 def test_blocks_cross_shards_and_every_sample_is_seen_once(tmp_path):
     data = corpus(tmp_path)
     cfg = cfg_for(data, tmp_path / "c", "data.shard_mb=0.004", "data.val_fraction=0.1", "data.val_max_tokens=900")
-    lm_store.prepare_lm(cfg, 1, progress=False)
-    lm = lm_store.open_lm_data(cfg)
+    prepare.prepare(cfg, LM, 1, progress=False)
+    lm = prepare.open_prepared(cfg, LM)
     everything = lm.train.slice(0, len(lm.train))
     assert lm.val_tokens == 900
     train, val = blocks(lm, 32)
@@ -138,7 +139,7 @@ def test_killed_prepare_resumes_from_its_shards_and_gives_the_same_store(tmp_pat
     assert 10 <= len(done) < 100
     phalanx(*args, f"data.cache_dir={cache}", check=True, timeout=120)
     assert all((folder / name).stat().st_mtime_ns == t for name, t in done.items())  # reused, not redone
-    lm_store.prepare_lm(cfg_for(text, tmp_path / "ref", "data.shard_mb=0.05"), 1, progress=False)  # uninterrupted
+    prepare.prepare(cfg_for(text, tmp_path / "ref", "data.shard_mb=0.05"), LM, 1, progress=False)  # uninterrupted
     assert store_bytes(cache) == store_bytes(tmp_path / "ref")
     assert not list(folder.glob(".*"))  # no temporary or claim files left
 
@@ -173,14 +174,14 @@ def test_changed_file_invalidates_the_store(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(SHAKESPEARE.read_text()[:30000], encoding="utf-8")
     cfg = cfg_for(text, tmp_path / "c")
-    lm_store.prepare_lm(cfg, 1, progress=False)
-    before = len(lm_store.open_lm_data(cfg).train)
+    prepare.prepare(cfg, LM, 1, progress=False)
+    before = len(prepare.open_prepared(cfg, LM).train)
     with open(text, "a", encoding="utf-8") as f:
         f.write("A new line at the end.\n")
     with pytest.raises(FileNotFoundError, match="not prepared|older than the data"):  # (its tokenizer too)
-        lm_store.open_lm_data(cfg)
-    lm_store.prepare_lm(cfg, 1, progress=False)
-    assert len(lm_store.open_lm_data(cfg).train) > before
+        prepare.open_prepared(cfg, LM)
+    prepare.prepare(cfg, LM, 1, progress=False)
+    assert len(prepare.open_prepared(cfg, LM).train) > before
 
 
 def test_hub_dataset_code_path_streams_a_local_dataset_folder(tmp_path, monkeypatch):
@@ -190,8 +191,8 @@ def test_hub_dataset_code_path_streams_a_local_dataset_folder(tmp_path, monkeypa
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # a local folder: never the network
     tok = "data.tokenizer=" + str(tokenizer_dir(tmp_path, TRICKY))
-    lm_store.prepare_lm(cfg_for(f"hf:{folder}", tmp_path / "hub", tok, "data.val_fraction=0"), 1, progress=False)
-    lm_store.prepare_lm(cfg_for(folder / "train.jsonl", tmp_path / "file", tok, "data.val_fraction=0"), 1, progress=False)
+    prepare.prepare(cfg_for(f"hf:{folder}", tmp_path / "hub", tok, "data.val_fraction=0"), LM, 1, progress=False)
+    prepare.prepare(cfg_for(folder / "train.jsonl", tmp_path / "file", tok, "data.val_fraction=0"), LM, 1, progress=False)
     assert store_bytes(tmp_path / "hub")[0] == store_bytes(tmp_path / "file")[0]
 
 

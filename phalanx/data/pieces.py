@@ -16,16 +16,15 @@ a newline that itself follows a visible character (`safe_cut`); only such places
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from phalanx.core.config import ConfigError
 from phalanx.data import builtin
-from phalanx.data.sources import files_of, format_of
+from phalanx.data.cache import fingerprint
+from phalanx.data.sources import Split, file_identity, files_of, format_of
 
 WINDOW = 1 << 16
 Fields = tuple  # ((name, 'text' | 'label'), ...): what each row must hold
@@ -75,14 +74,6 @@ class Piece:
         return f"{self.source} {unit} {self.start}-{self.end}"
 
 
-def _hash(*parts) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(repr(part).encode() if not isinstance(part, bytes) else part)
-        h.update(b"\0")
-    return h.hexdigest()[:24]
-
-
 def one_line(e: BaseException, limit: int = 200) -> str:
     """An exception as one printable line: its type and message, control characters escaped."""
     text = " ".join(str(e).split())
@@ -126,12 +117,6 @@ def open_parquet(path: Path | str, fields: Fields):
     return pf
 
 
-def file_identity(path: Path) -> tuple:
-    """Path, size and modification time: cheap, and changes when the file does."""
-    st = os.stat(path)
-    return (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
-
-
 def _cuts(path: Path, start: int, size: int, piece_bytes: int, finder) -> list[int]:
     """Offsets where `path` is cut into pieces of about piece_bytes, found by reading small windows."""
     cuts, pos = [start], start + piece_bytes
@@ -164,10 +149,10 @@ def _file_pieces(path: Path, kind: str, fields: Fields, piece_bytes: int) -> lis
                 sizes = 0
         bounds = groups + [meta.num_row_groups]
         per_group = ident[1] / max(meta.num_row_groups, 1)
-        return [Piece("parquet", str(path), a, b, int((b - a) * per_group), _hash(ident, kind, fields, a, b))
+        return [Piece("parquet", str(path), a, b, int((b - a) * per_group), fingerprint(ident, kind, fields, a, b))
                 for a, b in zip(bounds, bounds[1:])]
     cuts = _cuts(path, content_start(path, kind), ident[1], piece_bytes, safe_cut if kind == "text" else line_cut)
-    return [Piece(kind, str(path), a, b, b - a, _hash(ident, kind, fields, a, b, b == ident[1]),
+    return [Piece(kind, str(path), a, b, b - a, fingerprint(ident, kind, fields, a, b, b == ident[1]),
                   ends_document=(kind == "text" and b == ident[1]))
             for a, b in zip(cuts, cuts[1:])]
 
@@ -179,22 +164,23 @@ def _doc_pieces(name: str, items: Iterator[tuple], piece_bytes: int) -> Iterator
         batch.append(item)
         size += sum(len(v.encode("utf-8")) for v in item if isinstance(v, str))
         if size >= piece_bytes:
-            yield Piece("docs", name, row, row + len(batch), size, _hash(name, *batch), docs=tuple(batch))
+            yield Piece("docs", name, row, row + len(batch), size, fingerprint(name, *batch), docs=tuple(batch))
             row, batch, size = row + len(batch), [], 0
     if batch:
-        yield Piece("docs", name, row, row + len(batch), size, _hash(name, *batch), docs=tuple(batch))
+        yield Piece("docs", name, row, row + len(batch), size, fingerprint(name, *batch), docs=tuple(batch))
 
 
-def plan(spec: str, fmt: str, fields: Fields, key: str, split: str, piece_bytes: int) -> Iterator[Piece]:
-    """The pieces of a data source, in corpus order. Empty `spec` = the built-in corpus. `fields` are the
-    (name, kind) pairs each row must have, kind 'text' or 'label'; plain text files have no fields."""
+def plan(split: Split, fmt: str, fields: Fields, piece_bytes: int) -> Iterator[Piece]:
+    """The pieces of a split's data, in corpus order. `fmt` is data.format; `fields` are the (name, kind)
+    pairs each row must have, kind 'text' or 'label' (plain text files have no fields)."""
+    spec = split.spec
     if not spec:
         yield from _doc_pieces("builtin", ((doc,) for doc in builtin.stdlib_docstrings()), piece_bytes)
         return
     if spec.startswith("hf:"):
-        yield from _doc_pieces(spec, hub_rows(spec, fields, split), piece_bytes)
+        yield from _doc_pieces(spec, hub_rows(spec, fields, split.name), piece_bytes)
         return
-    for path in files_of(spec, key):
+    for path in files_of(spec, split.key):
         kind = format_of(path, fmt)
         if path.stat().st_size == 0:
             raise ConfigError(f"data file '{path}': no rows (empty file)")
@@ -208,11 +194,11 @@ def plan(spec: str, fmt: str, fields: Fields, key: str, split: str, piece_bytes:
             yield from _file_pieces(path, kind, fields, piece_bytes)
 
 
-def plan_size(spec: str, key: str) -> int:
+def plan_size(split: Split) -> int:
     """Input bytes of a file source (for progress); 0 for streams of unknown size."""
-    if not spec or spec.startswith("hf:"):
+    if not split.spec or split.spec.startswith("hf:"):
         return 0
-    return sum(p.stat().st_size for p in files_of(spec, key))
+    return sum(p.stat().st_size for p in files_of(split.spec, split.key))
 
 
 # ---- reading -------------------------------------------------------------------------------------

@@ -1,118 +1,102 @@
-"""The machinery of data preparation, shared by the tasks: a sample of the data, checks on a bounded
-sample, and a pool of processes that turns pieces of the input (pieces.py) into shards.
+"""The one preparation pipeline, the same for every task, parameterised by the store's record format.
 
-Preparation runs once, in the launcher (or `phalanx prepare`), before any worker starts. Each piece is
-encoded by one process of the pool into one shard file plus a record (`<fingerprint>.json`, written
-last); a shard whose record exists is reused, so an interrupted preparation continues where it stopped.
-Memory is bounded by the piece size and the number of processes, not by the corpus.
+    prepare(cfg, fmt)        the data step (`phalanx prepare`, or the launcher before any worker starts):
+                             the tokenizer, then for each split whose store is missing or older than its
+                             data: plan its pieces (pieces.py), encode each into a shard in the pool
+                             (pool.py, `fmt.encode`), let `fmt.finish` make what needs every shard, and
+                             write the index last. Returns one summary shape per split.
+    open_prepared(cfg, fmt)  the workers: the current stores, memory-mapped by `fmt.open`; never builds
+                             (a missing or stale store is FileNotFoundError)
 
-Several preparations may share a cache folder (parallel runs, or the launchers of several nodes on a
-shared file system): a piece is claimed with an exclusive-create file before it is encoded, so they
-split the work, and each waits for the pieces the others claimed (or takes over those of a process
-that died on this host).
+A record format (`RecordFormat`) says what a store holds and how it is made: the fields each row must
+have, its per-token arrays (ids, and e.g. segment ids or a loss mask) and per-row arrays (e.g. lengths,
+labels), how one piece is encoded (in a pool worker), a finish step once every shard of a split exists
+(e.g. label names, a packing plan) and how the result is opened. lm_store.py and classify_store.py.
 """
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
-import socket
-import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import psutil
-from tqdm import tqdm
+import numpy as np
 
 from phalanx.core import host
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import cache, pieces, store
+from phalanx.core.runfolder import write_json
+from phalanx.data import cache, pieces, pool, store
 from phalanx.data import tokenizer as toks
-from phalanx.data.sources import files_of, format_of
+from phalanx.data.sample import sample_rows
+from phalanx.data.sources import Split, file_identity, files_of, source_identity, splits
+
+# The summary every format gives per split (format-specific entries come after these).
+SUMMARY = ("split", "source", "files", "documents", "tokens", "shards", "store_bytes", "input_bytes", "seconds",
+           "mb_per_s", "tokens_per_s", "workers", "folder", "reused")
 
 
-def source_identity(spec: str, fmt: str, key: str) -> list:
-    """What the data is, cheaply: every file's path, size and mtime; a hub name; the Python version."""
-    if not spec:
-        return ["builtin", sys.version_info[:2], pieces.builtin.MAX_CHARS]
-    if spec.startswith("hf:"):
-        return [spec]
-    return [[*pieces.file_identity(p), format_of(p, fmt)] for p in files_of(spec, key)]
+class RecordFormat:
+    """What one kind of store holds and how it is made. An instance is stateless and picklable: the pool's
+    processes receive it with each piece."""
+    prefix = ""            # store folders are CACHE/<prefix>-<fingerprint>
+    version = ""           # in the folders' fingerprint and the index
+    tokenizer = "bpe"      # the kind trained when no tokenizer is named: 'bpe' or 'wordpiece'
+    needs = "eos_token"    # the special token the tokenizer must have; its id goes in the index (eos_id)
+    token_arrays: dict = {"ids": None}  # per-token arrays: name -> dtype (None: store.token_dtype of the vocabulary)
+    row_arrays: dict = {}  # per-row arrays: name -> dtype; with 'lengths' the rows are ragged (offsets.npy)
+
+    def fields(self, cfg: Config) -> pieces.Fields:
+        """The (name, 'text' | 'label') fields each row must have."""
+        raise NotImplementedError
+
+    def settings(self, cfg: Config) -> tuple:
+        """Other config values the stored arrays depend on (part of the folders' fingerprint)."""
+        return ()
+
+    def identity(self, cfg: Config, split: Split) -> list:
+        """What a split's store is made from: a store is current when its index lists exactly this."""
+        return source_identity(split, cfg.data.format)
+
+    def job(self, cfg: Config, split: Split, tok_dir: Path, total: int) -> tuple[object, dict]:
+        """What `encode` needs (picklable), and entries for the split's summary."""
+        raise NotImplementedError
+
+    def encode(self, job, piece: pieces.Piece, writer: store.ShardWriter, progress: Callable[[int], None]) -> dict:
+        """Write one piece's arrays with `writer` (in a pool worker); call `progress(n)` per n input bytes
+        done. Returns entries for the shard's record, at least 'documents' (rows)."""
+        raise NotImplementedError
+
+    def finish(self, cfg: Config, split: Split, folder: Path, records: list[dict], done: dict[str, dict]) -> dict:
+        """After every shard of `split` exists (`done`: the indexes of the splits before it): make the
+        split-wide `<name>.npy` arrays. Returns entries for the index and the summary."""
+        return {}
+
+    def open(self, cfg: Config, tok_dir: Path, folders: dict[str, Path]):
+        """The task's data from the current stores (split name -> folder), memory-mapped."""
+        raise NotImplementedError
 
 
-def splits(cfg: Config) -> list[tuple[str, str, str]]:
-    d = cfg.data
-    out = [(d.train, "data.train", "train")]
-    if d.validation:
-        out.append((d.validation, "data.validation", "validation"))
-    return out
-
-
-
-def sample_rows(cfg: Config, fields: pieces.Fields, budget: int) -> list[tuple]:
-    """A deterministic sample of about `budget` bytes of the training rows, spread over the whole corpus
-    for text and JSON Lines files (the head of the stream for other sources), and excluding the
-    validation tail when validation is held out of the training data. A plain-text window is one row."""
-    d = cfg.data
-    files = [] if not d.train or d.train.startswith("hf:") else files_of(d.train, "data.train")
-    kinds = [format_of(p, d.format) for p in files]
-    if not files or any(k not in ("text", "jsonl") for k in kinds):
-        out, size = [], 0
-        for piece in pieces.plan(d.train, d.format, fields, "data.train", "train", budget):
-            batches = pieces.rows(piece, fields) if piece.kind != "text" else \
-                (([(text,)], n) for text, n in pieces.text_chunks(piece))
-            for batch, n in batches:
-                out.extend(batch)
-                size += n
-                if size >= budget:
-                    return out
-        return out
-    sizes = [p.stat().st_size for p in files]
-    usable = int(sum(sizes) * (1 - (0 if d.validation else d.val_fraction)))
-    count = max(1, -(-min(usable, budget) // (1 << 20)))   # windows of about 1 MB
-    width = min(usable, budget) // count
-    out = []
-    for i in range(count):
-        pos = i * usable // count
-        k = 0
-        while pos >= sizes[k]:
-            pos, k = pos - sizes[k], k + 1
-        out.extend(_window(files[k], kinds[k], pos, min(pos + width, sizes[k]), sizes[k], fields))
-    return out
-
-
-def _window(path: Path, kind: str, lo: int, hi: int, size: int, fields: pieces.Fields) -> list[tuple]:
-    """Whole lines of path[lo:hi] as one text row, or as JSON Lines rows."""
-    buf = pieces.read_bytes(str(path), lo, hi)
-    start = pieces.content_start(path, kind) if lo == 0 else buf.find(b"\n") + 1
-    end = len(buf) if hi == size else buf.rfind(b"\n") + 1
-    if start <= 0 and lo or end <= start:
-        return []
-    if kind == "jsonl":
-        return pieces.jsonl_rows(buf[start:end], str(path), lo + start, fields)
-    return [(pieces.decode(buf[start:end], str(path), lo + start),)]
-
-
-def tokenizer_fingerprint(cfg: Config, kind: str, fields: pieces.Fields) -> str:
+# ---- tokenizer and folders -----------------------------------------------------------------------
+def tokenizer_folder(cfg: Config, fmt: RecordFormat) -> Path:
     d, spec = cfg.data, cfg.data.tokenizer or cfg.model.pretrained
     if spec:
         local = Path(spec)
         files = sorted(f for f in local.iterdir() if f.is_file()) if local.is_dir() else []
-        return cache.fingerprint("pretrained-tokenizer", spec, *files)
-    return cache.fingerprint("trained-tokenizer-v2", kind, d.vocab_size, d.tokenizer_sample_mb, d.val_fraction,
-                             d.format, fields, json.dumps(source_identity(d.train, d.format, "data.train")))
+        fp = cache.fingerprint("pretrained-tokenizer", spec, [file_identity(f) for f in files])
+    else:
+        fp = cache.fingerprint("trained-tokenizer-v3", fmt.tokenizer, d.vocab_size, d.tokenizer_sample_mb,
+                               d.val_fraction, d.format, fmt.fields(cfg), source_identity(splits(cfg)[0], d.format))
+    return cache.cache_root(d.cache_dir) / f"tokenizer-{fp}"
 
 
 TRAINERS = {"bpe": toks.train_bpe, "wordpiece": toks.train_wordpiece}
 
 
-def prepare_tokenizer(cfg: Config, kind: str, fields: pieces.Fields, needs: str, say) -> Path:
-    """The tokenizer as a folder of the cache: a `kind` tokenizer ('bpe' or 'wordpiece') trained on a
-    sample of the training rows' text fields, or a copy of `data.tokenizer` / `model.pretrained`, which
-    must have the special token `needs` (e.g. 'eos_token')."""
-    d, spec = cfg.data, cfg.data.tokenizer or cfg.model.pretrained
+def prepare_tokenizer(cfg: Config, fmt: RecordFormat, say) -> Path:
+    """The tokenizer as a folder of the cache: one of the format's kind trained on a sample of the training
+    rows' text fields, or a copy of `data.tokenizer` / `model.pretrained`; it must have `fmt.needs`."""
+    d, spec, fields = cfg.data, cfg.data.tokenizer or cfg.model.pretrained, fmt.fields(cfg)
 
     def build(tmp: Path) -> None:
         if spec:
@@ -124,73 +108,140 @@ def prepare_tokenizer(cfg: Config, kind: str, fields: pieces.Fields, needs: str,
             t0 = time.perf_counter()
             rows = sample_rows(cfg, fields, int(d.tokenizer_sample_mb * (1 << 20)))
             texts = [row[i] for row in rows for i, (_, k) in enumerate(fields) if k == "text"]
-            toks.save_trained(TRAINERS[kind](texts, d.vocab_size), kind, tmp)
-            say(f"phalanx: trained a {d.vocab_size}-token {kind} tokenizer on {sum(map(len, texts)) / 1e6:.1f} MB "
-                f"of sampled text in {time.perf_counter() - t0:.1f} s")
-        if toks.special_id(tmp, needs) is None:
-            raise ConfigError(f"tokenizer '{spec}': has no {needs.replace('_', ' ')}")
+            toks.save_trained(TRAINERS[fmt.tokenizer](texts, d.vocab_size), fmt.tokenizer, tmp)
+            say(f"phalanx: trained a {d.vocab_size}-token {fmt.tokenizer} tokenizer on "
+                f"{sum(map(len, texts)) / 1e6:.1f} MB of sampled text in {time.perf_counter() - t0:.1f} s")
+        if toks.special_id(tmp, fmt.needs) is None:
+            raise ConfigError(f"tokenizer '{spec}': has no {fmt.needs.replace('_', ' ')}")
 
-    root = cache.cache_root(d.cache_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    return cache.build_once(root / f"tokenizer-{tokenizer_fingerprint(cfg, kind, fields)}", build,
-                            is_builder=True, timeout_s=0)
+    return cache.build_once(tokenizer_folder(cfg, fmt), build)
 
 
-def open_or_prepare(open_: Callable[[], object], build: Callable[[], object], is_builder: bool,
-                    timeout_s: float):
-    """Open the prepared data. In a worker started by an outside torchrun/srun with nothing prepared,
-    the node's first process prepares it and the others wait for the index (not in a collective that
-    could time out). `open_` raises FileNotFoundError while the data is not ready."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return open_()
-        except FileNotFoundError:
-            if is_builder:
-                build()
-                return open_()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {timeout_s:.0f}s for the node's first process to prepare the data")
-            time.sleep(0.1)
-
-
-def check_sample(cfg: Config, fields: pieces.Fields, head: int = 1 << 20, windows: int = 4,
-                 width: int = 1 << 18) -> None:
-    """Launcher pre-flight on a bounded sample: every file exists and has a known format; its head and a
-    few windows spread over it decode as UTF-8 and parse as JSON Lines with the text field. The full pass
-    during preparation still reports any later problem with its file and line."""
+def store_folder(cfg: Config, fmt: RecordFormat, split: Split, tok_dir: Path) -> Path:
+    # The source by name, not by its files' size and time (the index holds those): a changed file is
+    # prepared into the same folder, which so never keeps an index of data that is gone.
     d = cfg.data
-    for spec, key, _ in splits(cfg):
-        if not spec or spec.startswith("hf:"):
-            continue
-        for path in files_of(spec, key):
-            kind, size = format_of(path, d.format), path.stat().st_size
-            if size == 0:
-                raise ConfigError(f"data file '{path}': no rows (empty file)")
-            if kind == "parquet":
-                pieces.open_parquet(path, fields)  # the footer: readable, has rows and the fields
-                continue
-            pieces.content_start(path, kind)  # not compressed, not one JSON array
-            if kind == "csv":
-                continue
-            spans = [(0, min(size, head))] + [(size * (i + 1) // (windows + 1), size * (i + 1) // (windows + 1) + width)
-                                             for i in range(windows) if size > head]
-            for lo, hi in spans:
-                _window(path, kind, lo, min(hi, size), size, fields)
+    fp = cache.fingerprint(fmt.version, tok_dir.name, split.spec or "builtin", split.name, d.format,
+                           fmt.fields(cfg), fmt.settings(cfg), d.shard_mb)
+    return cache.cache_root(d.cache_dir) / f"{fmt.prefix}-{fp}"
 
 
-
-def piece_bytes(shard_mb: float, total: int) -> int:
-    """Bytes per piece: data.shard_mb, but small enough that a corpus of known size splits into ~64
-    pieces (down to 1 MB) so every core has work. It depends on the data only, never on the workers."""
-    limit = max(1, int(shard_mb * (1 << 20)))
-    return max(min(limit, total // 64), min(limit, 1 << 20)) if total else limit
+def is_current(index: dict | None, identity: list) -> bool:
+    return index is not None and index.get("sources") == json.loads(json.dumps(identity))
 
 
-def pool_size(workers: int, total: int, per_piece: int) -> int:
-    """No pool (its start-up costs ~1 s) when the input is one piece."""
-    return 1 if 0 < total <= per_piece else (workers or host.cores())
+# ---- building ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Options:
+    """How to prepare (never what): encoding processes, a progress bar, where progress lines go."""
+    workers: int
+    progress: bool
+    say: Callable[[str], None]
 
+
+def _say(text: str) -> None:
+    print(text, flush=True)  # stdout: stderr is for errors
+
+
+def prepare(cfg: Config, fmt: RecordFormat, workers: int = 0, progress: bool = True, say=None) -> dict[str, dict]:
+    """Make sure the tokenizer and every split's store of `cfg` exist and are current; a summary per split."""
+    how = Options(workers or host.cores(), progress, say or _say)
+    tok_dir = prepare_tokenizer(cfg, fmt, how.say)
+    summaries, done = {}, {}
+    for split in splits(cfg):
+        index = store.read_index(store_folder(cfg, fmt, split, tok_dir))
+        if is_current(index, fmt.identity(cfg, split)):
+            summaries[split.name] = {**index["summary"], "reused": True}
+        else:
+            index = build_split(cfg, fmt, split, tok_dir, how, done)
+            summaries[split.name] = index["summary"]
+            how.say(f"phalanx: {describe(index['summary'])}")
+        done[split.name] = index
+    return summaries
+
+
+def build_split(cfg: Config, fmt: RecordFormat, split: Split, tok_dir: Path, how: Options,
+                done: dict[str, dict]) -> dict:
+    """Encode one split into its folder, finish it and write its index (last); returns the index. `done`:
+    the indexes of the splits before it."""
+    t0, d = time.perf_counter(), cfg.data
+    folder, identity = store_folder(cfg, fmt, split, tok_dir), fmt.identity(cfg, split)  # before reading
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / store.INDEX).unlink(missing_ok=True)  # an older data's index: a failure leaves none
+    vocab, total = toks.backend(tok_dir).get_vocab_size(with_added_tokens=True), pieces.plan_size(split)
+    job, notes = fmt.job(cfg, split, tok_dir, total)
+    work = PieceWork(fmt, job, str(folder),
+                     {n: np.dtype(dt or store.token_dtype(vocab)) for n, dt in fmt.token_arrays.items()},
+                     {n: np.dtype(dt) for n, dt in fmt.row_arrays.items()})
+    size = pool.piece_bytes(d.shard_mb, total)
+    workers = pool.pool_size(how.workers, total, size)
+    bar = pool.progress_bar(how.progress, total, split.key)
+    try:
+        records = pool.Encoding(work, folder, workers, bar).run(pieces.plan(split, d.format, fmt.fields(cfg), size))
+    finally:
+        bar.close()
+    if not sum(r["tokens"] for r in records):
+        raise ConfigError(f"config key '{split.key}': '{split.spec or 'built-in corpus'}' contains no text")
+    if "lengths" in fmt.row_arrays:
+        store.write_offsets(folder, records)
+    extras = fmt.finish(cfg, split, folder, records, done)
+    summary = _summary(split, folder, records, time.perf_counter() - t0, workers, {**notes, **extras})
+    index = {"version": fmt.version, "format": fmt.prefix, "dtype": work.dtypes["ids"].name, "vocab_size": vocab,
+             f"{fmt.needs.removesuffix('_token')}_id": toks.special_id(tok_dir, fmt.needs),
+             "tokenizer": tok_dir.name, "sources": identity, "tokens": summary["tokens"],
+             "documents": summary["documents"], "shards": records, **extras, "summary": summary,
+             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    write_json(folder / store.INDEX, index)
+    remove_unlisted(folder, records)
+    return index
+
+
+@dataclass(frozen=True)
+class PieceWork:
+    """Turns one piece into its shard, in a pool worker or inline (picklable: sent with each piece)."""
+    fmt: RecordFormat
+    job: object
+    folder: str
+    dtypes: dict       # per-token arrays: name -> dtype
+    row_dtypes: dict   # per-row arrays: name -> dtype
+
+    def __call__(self, piece: pieces.Piece) -> dict:
+        writer = store.ShardWriter(Path(self.folder), piece.fingerprint, self.dtypes, self.row_dtypes)
+        done = 0
+
+        def progress(n: int) -> None:
+            nonlocal done
+            done += n
+            pool.report(n)
+
+        try:
+            entries = self.fmt.encode(self.job, piece, writer, progress)
+        except BaseException:
+            writer.abort()
+            raise
+        pool.report(piece.size - done)
+        return writer.close({**entries, "source": piece.source, "kind": piece.kind,
+                             "range": [piece.start, piece.end], "bytes_in": piece.size})
+
+
+def _summary(split: Split, folder: Path, records: list[dict], seconds: float, workers: int, extras: dict) -> dict:
+    tokens, size = sum(r["tokens"] for r in records), sum(r["bytes_in"] for r in records)
+    stored = sum((folder / store.array_file(r["fingerprint"], name)).stat().st_size
+                 for r in records for name in store.arrays_of(r))
+    return {"split": split.name, "source": split.spec or "builtin",
+            "files": len(files_of(split.spec, split.key)) if split.spec and not split.spec.startswith("hf:") else 1,
+            "documents": sum(r["documents"] for r in records), "tokens": tokens, "shards": len(records),
+            "store_bytes": stored, "input_bytes": size, "seconds": round(seconds, 3),
+            "mb_per_s": round(size / 1e6 / max(seconds, 1e-9), 2), "tokens_per_s": round(tokens / max(seconds, 1e-9)),
+            "workers": workers, "folder": str(folder), **extras}
+
+
+def describe(s: dict) -> str:
+    """A split's summary on one line (`phalanx prepare`, the launcher's log)."""
+    how = "already prepared" if s.get("reused") else f"prepared in {s['seconds']:.1f} s ({s['mb_per_s']:.1f} MB/s)"
+    extra = "".join(f"; {k} {v}" for k, v in s.items() if k not in SUMMARY)
+    return (f"{s['split']}: {s['source']}: {s['files']} file(s), {s['documents']:,} documents, {s['tokens']:,} "
+            f"tokens, {s['shards']} shard(s), {s['store_bytes'] / 1e6:.1f} MB; {how}{extra}; {s['folder']}")
 
 
 def remove_unlisted(folder: Path, records: list[dict]) -> None:
@@ -198,162 +249,51 @@ def remove_unlisted(folder: Path, records: list[dict]) -> None:
     every piece is done then, so a temporary file left is one that a killed preparation was writing."""
     keep = {r["fingerprint"] for r in records}
     for path in folder.iterdir():
-        stale = path.suffix in (".bin", ".json", ".npz") and path.name != store.INDEX and path.stem not in keep
+        stale = path.suffix in (".bin", ".json") and path.name != store.INDEX and path.name.split(".")[0] not in keep
         if stale or path.name.endswith((".tmp", ".claim")):  # also what a killed preparation left
             path.unlink(missing_ok=True)
 
 
-def progress_bar(enabled: bool, total: int, label: str):
-    return tqdm(total=total or None, unit="B", unit_scale=True, unit_divisor=1000, desc=f"prepare {label}",
-                disable=not enabled, file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
-                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, "
-                           "{rate_fmt}{postfix}]" if total else None)
+# ---- the workers' side ---------------------------------------------------------------------------
+def _current(cfg: Config, fmt: RecordFormat) -> tuple[Path, dict[str, Path]]:
+    tok_dir = tokenizer_folder(cfg, fmt)
+    if not tok_dir.is_dir():
+        raise FileNotFoundError(f"tokenizer '{tok_dir}' not prepared (run `phalanx prepare` with this config)")
+    folders = {}
+    for split in splits(cfg):
+        folder = store_folder(cfg, fmt, split, tok_dir)
+        if not is_current(store.read_index(folder), fmt.identity(cfg, split)):
+            raise FileNotFoundError(f"store for {split.key} in '{folder}' is missing or older than the data "
+                                    f"(run `phalanx prepare` with this config)")
+        folders[split.name] = folder
+    return tok_dir, folders
 
 
-# ---- the encoding pool ---------------------------------------------------------------------------
-_counter = None  # set in pool workers: shared count of input bytes done
+def open_prepared(cfg: Config, fmt: RecordFormat):
+    """What `prepare` made for `cfg`, opened by the format (memory-mapped)."""
+    return fmt.open(cfg, *_current(cfg, fmt))
 
 
-def _init_worker(counter) -> None:
-    global _counter
-    _counter = counter
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: the pool is the parallelism
-
-
-def report(n: int) -> None:
-    """A pool worker tells the progress bar that `n` more input bytes are done (no-op inline)."""
-    if _counter is not None:
-        with _counter.get_lock():
-            _counter.value += n
-
-
-class Encoding:
-    """Turns the pieces of one store into shards in `folder` with `workers` processes (at most 2 pieces
-    in flight per process): `encode(job, piece)` writes one shard and returns its record."""
-
-    def __init__(self, encode: Callable, job, folder: Path, workers: int, bar):
-        self.encode, self.job, self.workers, self.bar = encode, job, workers, bar
-        self.folder = Path(folder)
-        self.records: dict[int, dict] = {}
-        self.others: dict[int, pieces.Piece] = {}   # claimed by another preparation
-        self.mine: set[str] = set()
-        self._reported = 0
-
-    def run(self, plan) -> list[dict]:
-        try:
-            if self.workers <= 1:
-                self._inline(plan)
-            else:
-                self._pooled(plan)
-            self._wait_for_others()
-        finally:
-            for fp in self.mine:
-                _release(self.folder, fp)
-        return [self.records[i] for i in sorted(self.records)]
-
-    def _skip(self, i: int, piece: pieces.Piece) -> bool:
-        record = store.shard_record(self.folder, piece.fingerprint)
-        if record is not None:
-            self.records[i] = record
-            self.bar.update(piece.size)
-            return True
-        if not _claim(self.folder, piece.fingerprint):
-            self.others[i] = piece
-            return True
-        self.mine.add(piece.fingerprint)
+def is_prepared(cfg: Config, fmt: RecordFormat) -> bool:
+    try:
+        _current(cfg, fmt)
+        return True
+    except FileNotFoundError:
         return False
 
-    def _done(self, i: int, record: dict) -> None:
-        self.records[i] = record
-        _release(self.folder, record["fingerprint"])
-        self.mine.discard(record["fingerprint"])
 
-    def _inline(self, plan) -> None:
-        for i, piece in enumerate(plan):
-            if not self._skip(i, piece):
-                self._done(i, self.encode(self.job, piece))
-                self.bar.update(piece.size)
-
-    def _pooled(self, plan) -> None:
-        ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (torch, tokenizers)
-        counter = ctx.Value("q", 0)
-        with ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
-                                 initargs=(counter,)) as pool:
-            running = {}
-            try:
-                for i, piece in enumerate(plan):
-                    if self._skip(i, piece):
-                        continue
-                    running[pool.submit(self.encode, self.job, piece)] = i
-                    while len(running) >= 2 * self.workers:
-                        self._collect(running, counter)
-                while running:
-                    self._collect(running, counter)
-            except BaseException:
-                # Drop the pieces not started; wait for those running (bounded: one piece each), so that
-                # no process is still writing a temporary file or holding a claim when this returns.
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-
-    def _collect(self, running: dict, counter) -> None:
-        finished, _ = wait(list(running), timeout=0.5, return_when=FIRST_COMPLETED)
-        for future in finished:
-            self._done(running.pop(future), future.result())
-        value = counter.value
-        self.bar.update(value - self._reported)
-        self._reported = value
-
-    def _wait_for_others(self) -> None:
-        """Pieces another preparation claimed: wait for their shards, or take them over if it died."""
-        said = False
-        while self.others:
-            for i, piece in list(self.others.items()):
-                record = store.shard_record(self.folder, piece.fingerprint)
-                if record is not None:
-                    self.records[i] = record
-                    self.bar.update(piece.size)
-                    del self.others[i]
-                elif _claim(self.folder, piece.fingerprint):
-                    del self.others[i]
-                    self.mine.add(piece.fingerprint)
-                    self._done(i, self.encode(self.job, piece))
-                    self.bar.update(piece.size)
-            if self.others and not said:
-                print(f"phalanx: waiting for {len(self.others)} piece(s) another preparation is encoding "
-                      f"into {self.folder}", file=sys.stderr, flush=True)
-                said = True
-            time.sleep(0.2 if self.others else 0)
-
-
-def _claim_path(folder: Path, fp: str) -> Path:
-    return folder / f".{fp}.claim"
-
-
-def _claim(folder: Path, fp: str) -> bool:
-    """Exclusive-create a claim file naming this host and process; a claim of a dead local process is
-    taken over."""
-    path = _claim_path(folder, fp)
-    for _ in range(2):
+def open_or_prepare(cfg: Config, fmt: RecordFormat, is_builder: bool, timeout_s: float):
+    """Open the prepared data. In a worker started by an outside torchrun/srun with nothing prepared,
+    the node's first process prepares it and the others wait for the index (not in a collective that
+    could time out)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                owner = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):  # being written now, or its writer died at once
-                if time.time() - path.stat().st_mtime < 10:
-                    return False
-                owner = {"host": socket.gethostname(), "pid": -1}
-            if owner.get("host") == socket.gethostname() and not psutil.pid_exists(owner.get("pid", -1)):
-                path.unlink(missing_ok=True)
-                continue
-            return False
-        with os.fdopen(fd, "w") as f:
-            json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
-        return True
-    return False
-
-
-def _release(folder: Path, fp: str) -> None:
-    _claim_path(folder, fp).unlink(missing_ok=True)
-
-
+            return open_prepared(cfg, fmt)
+        except FileNotFoundError:
+            if is_builder:
+                prepare(cfg, fmt, progress=False)
+                return open_prepared(cfg, fmt)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout_s:.0f}s for the node's first process to prepare the data")
+            time.sleep(0.1)

@@ -1,12 +1,17 @@
-"""The token store: token ids in bounded-size shards on disk, plus a small JSON index written last.
+"""The store: arrays in bounded-size shards on disk, plus a small JSON index written last.
 
-A store is a folder:
-    <fingerprint>.bin    token ids of one piece of the input (raw little-endian uint16, or uint32 when
-                         the vocabulary needs it), named by the piece's fingerprint so that a finished
-                         shard is found again by an interrupted or changed preparation
-    <fingerprint>.json   that shard's record (tokens, documents, source range), written after the .bin
-    index.json           the shards in corpus order and what they were made from, written last:
-                         a store is complete exactly when its index exists
+A store is a folder (one per split):
+    <fingerprint>.bin         token ids of one piece of the input (raw little-endian uint16, or uint32 when
+                              the vocabulary needs it), named by the piece's fingerprint so that a finished
+                              shard is found again by an interrupted or changed preparation
+    <fingerprint>.<name>.bin  the piece's other arrays, when its record format has them: per token (e.g.
+                              segment ids) or per row (e.g. row lengths, label codes)
+    <fingerprint>.json        that shard's record (tokens, rows, documents, source range), written after its
+                              arrays
+    <name>.npy                arrays of the whole split made after every shard exists (row offsets,
+                              label ids, ...)
+    index.json                the shards in corpus order and what they were made from, written last:
+                              a store is complete exactly when its index exists
 Readers memory-map the shards, so memory per process does not depend on the size of the corpus.
 """
 from __future__ import annotations
@@ -20,10 +25,10 @@ import numpy as np
 from phalanx.core.runfolder import write_json
 
 INDEX = "index.json"
-VERSION = 1
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
+    """The one rule for token ids: 2 bytes when every id fits, else 4."""
     return np.dtype(np.uint16 if vocab_size <= 65536 else np.uint32)
 
 
@@ -34,67 +39,129 @@ def read_index(folder: Path) -> dict | None:
         return None
 
 
+def array_file(fp: str, name: str) -> str:
+    """A shard's file of array `name`: token ids keep the plain `<fp>.bin` of the first store format."""
+    return f"{fp}.bin" if name == "ids" else f"{fp}.{name}.bin"
+
+
+def arrays_of(record: dict) -> dict[str, tuple[str, str]]:
+    """name -> (dtype, 'tokens' | 'rows') of a shard record's arrays (a record with only ids lists none)."""
+    return record.get("arrays") or {"ids": (record["dtype"], "tokens")}
+
+
 def shard_record(folder: Path, fp: str) -> dict | None:
-    """The record of a finished shard, or None (its .json is written only after its .bin is complete)."""
+    """The record of a finished shard, or None (its .json is written only after its arrays are complete)."""
     try:
         record = json.loads((folder / f"{fp}.json").read_text(encoding="utf-8"))
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    data = folder / record["file"]
-    if not data.is_file():
-        return None
-    if "dtype" in record and data.stat().st_size != record["tokens"] * np.dtype(record["dtype"]).itemsize:
-        return None
+    for name, (dtype, per) in arrays_of(record).items():
+        data = folder / array_file(fp, name)
+        if not data.is_file() or data.stat().st_size != record[per] * np.dtype(dtype).itemsize:
+            return None
     return record
 
 
+def shard_array(folder: Path, record: dict, name: str) -> np.ndarray:
+    """One array of a shard, memory-mapped (an empty one as an empty array: it cannot be mapped)."""
+    dtype, per = arrays_of(record)[name]
+    if not record[per]:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(Path(folder) / array_file(record["fingerprint"], name), dtype=dtype, mode="r",
+                     shape=(record[per],))
+
+
 class ShardWriter:
-    """Appends token arrays to `<fp>.bin` through a temporary file; `close()` publishes it."""
+    """Appends a piece's arrays to `<fp>.bin` / `<fp>.<name>.bin` through temporary files; `close()`
+    publishes them, then the record. `tokens` and `rows` map each array's name to its dtype."""
 
-    def __init__(self, folder: Path, fp: str, dtype: np.dtype):
-        self.folder, self.fp, self.dtype = folder, fp, dtype
-        self.tmp = folder / f".{fp}.{os.getpid()}.tmp"
-        self.f = open(self.tmp, "wb")
-        self.tokens = 0
+    def __init__(self, folder: Path, fp: str, tokens: dict[str, np.dtype], rows: dict[str, np.dtype]):
+        self.folder, self.fp = Path(folder), fp
+        self.dtypes = {**tokens, **rows}
+        self.per = {**{n: "tokens" for n in tokens}, **{n: "rows" for n in rows}}
+        self.counts = {"tokens": 0, "rows": 0}
+        self.tmp = {n: self.folder / f".{array_file(fp, n)}.{os.getpid()}.tmp" for n in self.dtypes}
+        self.files = {n: open(path, "wb") for n, path in self.tmp.items()}
 
-    def write(self, ids) -> None:
-        arr = np.asarray(ids)
-        if arr.size and int(arr.max()) > np.iinfo(self.dtype).max:
-            raise ValueError(f"token id {int(arr.max())} does not fit the store's {self.dtype}")
-        arr.astype(self.dtype, copy=False).tofile(self.f)
-        self.tokens += arr.size
+    def tokens(self, **arrays) -> None:
+        """Per-token arrays of the same length, every one the format has (e.g. ids=..., types=...)."""
+        self._append("tokens", arrays)
+
+    def rows(self, **arrays) -> None:
+        """Per-row arrays of the same length, every one the format has (e.g. lengths=..., codes=...)."""
+        self._append("rows", arrays)
+
+    def _append(self, per: str, arrays: dict) -> None:
+        expected = {n for n, p in self.per.items() if p == per}
+        if set(arrays) != expected:
+            raise ValueError(f"shard {per}: expected arrays {sorted(expected)}, got {sorted(arrays)}")
+        sizes = set()
+        for name, values in arrays.items():
+            arr, dtype = np.asarray(values), self.dtypes[name]
+            if arr.size and int(arr.max()) > np.iinfo(dtype).max:
+                raise ValueError(f"{name} value {int(arr.max())} does not fit the store's {dtype}")
+            arr.astype(dtype, copy=False).tofile(self.files[name])
+            sizes.add(arr.size)
+        if len(sizes) > 1:
+            raise ValueError(f"shard {per}: arrays of different lengths {sorted(sizes)}")
+        self.counts[per] += sizes.pop() if sizes else 0
 
     def close(self, record: dict) -> dict:
-        self.f.close()
-        os.replace(self.tmp, self.folder / f"{self.fp}.bin")
-        record = {"file": f"{self.fp}.bin", "fingerprint": self.fp, "dtype": self.dtype.name,
-                  "tokens": self.tokens, **record}
+        for name, f in self.files.items():
+            f.close()
+            os.replace(self.tmp[name], self.folder / array_file(self.fp, name))
+        ids = {"file": array_file(self.fp, "ids"), "fingerprint": self.fp, "dtype": self.dtypes["ids"].name,
+               "tokens": self.counts["tokens"]}
+        if set(self.dtypes) != {"ids"}:  # a store of token ids only keeps the first format's record
+            ids.update(rows=self.counts["rows"], arrays={n: [dt.name, self.per[n]] for n, dt in self.dtypes.items()})
+        record = {**ids, **record}
         write_json(self.folder / f"{self.fp}.json", record)
         return record
 
     def abort(self) -> None:
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
+        for name, f in self.files.items():
+            f.close()
+            self.tmp[name].unlink(missing_ok=True)
+
+
+def write_offsets(folder: Path, records: list[dict]) -> int:
+    """`offsets.npy`: where each row of the split starts in its token stream (rows + 1 entries), from the
+    shards' row lengths; written piece by piece. Returns the number of rows."""
+    rows = sum(r["rows"] for r in records)
+    offsets = np.lib.format.open_memmap(Path(folder) / "offsets.npy", mode="w+", dtype=np.int64, shape=(rows + 1,))
+    offsets[0], row, token = 0, 0, 0
+    for r in records:
+        lengths = shard_array(folder, r, "lengths")
+        offsets[row + 1:row + 1 + len(lengths)] = token + np.cumsum(lengths, dtype=np.int64)
+        row, token = row + len(lengths), token + r["tokens"]
+    offsets.flush()
+    return rows
 
 
 class TokenStore:
-    """A complete store as one token stream: `slice(lo, hi)` reads across shard boundaries."""
+    """One per-token array of a complete store as one stream (`ids` by default): `slice(lo, hi)` or
+    `store[lo:hi]` reads across shard boundaries."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, name: str = "ids"):
         self.folder = Path(folder)
         index = read_index(self.folder)
         if index is None:
             raise FileNotFoundError(f"token store '{self.folder}' has no {INDEX} (not prepared, or interrupted)")
         self.index = index
-        self.dtype = np.dtype(index["dtype"])
         shards = [s for s in index["shards"] if s["tokens"]]  # an empty file cannot be memory-mapped
-        self._maps = [np.memmap(self.folder / s["file"], dtype=self.dtype, mode="r", shape=(s["tokens"],))
-                      for s in shards]
+        self.dtype = np.dtype(arrays_of(shards[0])[name][0]) if shards else np.dtype(index["dtype"])
+        self._maps = [shard_array(self.folder, s, name) for s in shards]
         self._starts = np.zeros(len(shards) + 1, dtype=np.int64)
         np.cumsum([s["tokens"] for s in shards], out=self._starts[1:])
 
     def __len__(self) -> int:
         return int(self._starts[-1])
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        lo, hi, step = span.indices(len(self))
+        if step != 1:
+            raise IndexError("a token store is read in contiguous slices")
+        return self.slice(lo, max(lo, hi))
 
     def slice(self, lo: int, hi: int) -> np.ndarray:
         """Tokens [lo, hi) of the stream as a new array."""
@@ -108,4 +175,6 @@ class TokenStore:
             parts.append(self._maps[k][lo - start: lo - start + take])
             lo += take
             k += 1
+        if not parts:
+            return np.zeros(0, dtype=self.dtype)
         return np.concatenate(parts) if len(parts) != 1 else np.array(parts[0])

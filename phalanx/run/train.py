@@ -75,7 +75,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
 
     # ---- data, model, optimizer, resume ------------------------------------------------------
     task = get_task(cfg.task)(cfg, info)
-    task.prepare()
+    task.open_data()
     tr = build_trainee(cfg, info, task)
     _say(info, _start_line(cfg, info, tr, accum))
     state = TrainState()

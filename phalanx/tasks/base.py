@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from phalanx.core.config import Config, ConfigError
+from phalanx.data import prepare
 
 
 class Task(Protocol):
@@ -23,14 +24,14 @@ class Task(Protocol):
     @staticmethod
     def preflight(cfg: Config) -> None: ...
     @staticmethod
-    def prepare_data(cfg: Config, workers: int = 0, progress: bool = True) -> dict: ...
+    def prepare_data(cfg: Config, workers: int = 0, progress: bool = True) -> dict: ...  # split -> summary
     @staticmethod
     def sequence_length(cfg: Config) -> int: ...
     @staticmethod
     def is_prepared(cfg: Config) -> bool: ...
 
     # ---- in every worker
-    def prepare(self) -> None: ...
+    def open_data(self) -> None: ...  # the prepared data, memory-mapped: sets train_set, val_set, tokenizer
     def train_order(self, data_order: int): ...
     def build_model(self) -> torch.nn.Module: ...
     def collate(self, dataset, indices) -> dict: ...
@@ -48,6 +49,7 @@ class TaskBase:
     """Shared parts: the architectures a task trains, and batch counts of the `input_ids`/`labels` form."""
     name = ""
     ARCHS: tuple[str, ...] = ()
+    FORMAT: prepare.RecordFormat  # the record format of the task's stores (data/prepare.py)
 
     def __init__(self, cfg: Config, info):
         self.cfg, self.info = cfg, info
@@ -61,13 +63,8 @@ class TaskBase:
 
     @classmethod
     def is_prepared(cls, cfg: Config) -> bool:
-        """The task's data store for `cfg` exists and is current (`open_data` raises FileNotFoundError
-        otherwise)."""
-        try:
-            cls.open_data(cfg)
-            return True
-        except FileNotFoundError:
-            return False
+        """The task's stores for `cfg` exist and are current."""
+        return prepare.is_prepared(cfg, cls.FORMAT)
 
     def next_commands(self, run_dir) -> list[str]:
         """What to run on the finished run (printed at the end of training)."""

@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.core.config import Config, ConfigError, hub_name
-from phalanx.data import labelled, labelled_store, prepare
+from phalanx.data import classify_inputs, prepare
 from phalanx.data import tokenizer as toks
+from phalanx.data.classify_store import CLASSIFY, EncodedSet
+from phalanx.data.sample import check_sample
 from phalanx.data.samplers import length_grouped_order, shuffled_order
 from phalanx.model.build import build_classifier
 from phalanx.tasks.base import TaskBase
@@ -35,7 +37,7 @@ class ClassifyTask(TaskBase):
     name = "classify"
     ARCHS = ("bert", "roberta", "distilbert")
     AUTO_MODEL = "AutoModelForSequenceClassification"
-    open_data = staticmethod(labelled_store.open_classify)
+    FORMAT = CLASSIFY
 
     def __init__(self, cfg: Config, info):
         super().__init__(cfg, info)
@@ -47,22 +49,19 @@ class ClassifyTask(TaskBase):
     def preflight(cfg: Config) -> None:
         """Bounded checks in the launcher (files exist, UTF-8, JSON, fields on a sample)."""
         _check_has_data(cfg)
-        prepare.check_sample(cfg, labelled_store.fields_of(cfg))
+        check_sample(cfg, CLASSIFY.fields(cfg))
 
     @staticmethod
     def prepare_data(cfg: Config, workers: int = 0, progress: bool = True) -> dict:
         """The data step (`phalanx prepare`, or the launcher before workers start)."""
         _check_has_data(cfg)
-        summary = labelled_store.prepare_classify(cfg, workers, progress)
-        return {"train": summary}
+        return prepare.prepare(cfg, CLASSIFY, workers, progress)
 
-    def prepare(self) -> None:
+    def open_data(self) -> None:
         """Open the prepared splits; started by an outside torchrun/srun, the node's first process
-        prepares them and the others wait for the index file."""
+        prepares them and the others wait for the index files."""
         cfg = self.cfg
-        data = prepare.open_or_prepare(lambda: labelled_store.open_classify(cfg),
-                                       lambda: labelled_store.prepare_classify(cfg, progress=False),
-                                       self.info.is_local_main, cfg.dist.startup_timeout_s)
+        data = prepare.open_or_prepare(cfg, CLASSIFY, self.info.is_local_main, cfg.dist.startup_timeout_s)
         if cfg.model.pretrained:
             from transformers import AutoConfig
             self.use_types = uses_token_types(AutoConfig.from_pretrained(hub_name(cfg.model.pretrained)))
@@ -106,7 +105,7 @@ class ClassifyTask(TaskBase):
     def build_model(self):
         return self.model_for(self.cfg, len(self.tokenizer), self.tokenizer.pad_token_id, self.names)
 
-    def collate(self, dataset: labelled.EncodedSet, indices) -> dict:
+    def collate(self, dataset: EncodedSet, indices) -> dict:
         batch = pad_batch([dataset.example(int(i)) for i in indices], self.tokenizer.pad_token_id,
                           self.use_types)
         batch["labels"] = torch.from_numpy(np.asarray(dataset.labels[np.asarray(indices, dtype=np.int64)],
@@ -176,13 +175,13 @@ def classification_metrics(confusion: np.ndarray, names: list[str]) -> dict:
 
 
 @torch.no_grad()
-def predict_probs(model, tokenizer, ex: labelled.Examples, max_length: int, batch_size: int,
+def predict_probs(model, tokenizer, ex: classify_inputs.Examples, max_length: int, batch_size: int,
                   device: torch.device) -> np.ndarray:
     """Class probabilities of every example, in the order given (batches sorted by length for padding)."""
     k = model.config.num_labels
     if len(ex) == 0:
         return np.zeros((0, k), dtype=np.float32)
-    enc = labelled.encode(tokenizer, ex, max_length, None)
+    enc = classify_inputs.encode(tokenizer, ex, max_length)
     order = np.argsort(-enc.lengths, kind="stable")
     out = np.zeros((len(ex), k), dtype=np.float32)
     use_types = uses_token_types(model.config)

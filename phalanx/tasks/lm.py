@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from phalanx.core.config import Config, ConfigError
 from phalanx.data import lm_store, prepare, store
-from phalanx.data.samplers import shuffled_order
 from phalanx.data import tokenizer as toks
+from phalanx.data.sample import check_sample
+from phalanx.data.samplers import shuffled_order
 from phalanx.model.build import build_causal_lm
 from phalanx.tasks.base import TaskBase
 
@@ -63,27 +64,26 @@ class LMTask(TaskBase):
     name = "lm"
     ARCHS = ("gpt2", "llama")
     AUTO_MODEL = "AutoModelForCausalLM"
-    open_data = staticmethod(lm_store.open_lm_data)
+    FORMAT = lm_store.LM
 
     # ---- data -------------------------------------------------------------------------------
     @staticmethod
     def preflight(cfg: Config) -> None:
         """Bounded checks in the launcher (files exist, UTF-8, JSON on a sample) before anything runs."""
-        lm_store.check_sample(cfg)
+        check_sample(cfg, lm_store.LM.fields(cfg))
 
     @staticmethod
     def prepare_data(cfg: Config, workers: int = 0, progress: bool = True) -> dict:
         """The data step (`phalanx prepare`, or the launcher before workers start): tokenizer + stores."""
-        summary = lm_store.prepare_lm(cfg, workers, progress)
-        check_enough(cfg, lm_store.open_lm_data(cfg))
-        return summary
+        summaries = prepare.prepare(cfg, lm_store.LM, workers, progress)
+        check_enough(cfg, prepare.open_prepared(cfg, lm_store.LM))
+        return summaries
 
-    def prepare(self) -> None:
+    def open_data(self) -> None:
         """Open the prepared stores. Started by an outside torchrun/srun, the node's first process
         prepares them (the others wait for the index files, not in a collective that could time out)."""
         cfg = self.cfg
-        data = prepare.open_or_prepare(lambda: lm_store.open_lm_data(cfg), lambda: lm_store.prepare_lm(cfg, progress=False),
-                                       self.info.is_local_main, cfg.dist.startup_timeout_s)
+        data = prepare.open_or_prepare(cfg, lm_store.LM, self.info.is_local_main, cfg.dist.startup_timeout_s)
         self.tokenizer = toks.load_saved(data.tokenizer_dir)
         self.train_set, self.val_set = blocks(data, cfg.model.block_size)
         check_enough(cfg, data)

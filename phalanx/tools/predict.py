@@ -16,7 +16,7 @@ from phalanx.core import dist
 from phalanx.core.config import Config, ConfigError, load_config
 from phalanx.core.registry import check_command
 from phalanx.core.runfolder import EXIT_FAILED, EXIT_OK, RunFolder, write_text
-from phalanx.data import labelled
+from phalanx.data import classify_inputs
 from phalanx.model.build import load_classifier
 from phalanx.run.evaluate import eval_shard
 from phalanx.tasks.classify import predict_probs
@@ -52,7 +52,7 @@ def run(args) -> int:
     cfg = _run_config(args.run)
     if not Path(args.input).is_file():
         raise ConfigError(f"--input: file '{args.input}' not found")
-    examples = labelled.read_inputs(args.input, cfg.data.text_field, cfg.data.text_pair_field)
+    examples = classify_inputs.read_inputs(args.input, cfg.data.text_field, cfg.data.text_pair_field)
     if args.nproc_per_node > 1 and not dist.under_torchrun():
         argv = ["phalanx", "predict", str(args.run), "--input", str(args.input), "--batch-size", str(args.batch_size),
                 "--nproc-per-node", str(args.nproc_per_node), *(["--output", str(args.output)] if args.output else [])]
@@ -64,7 +64,7 @@ def run(args) -> int:
     return _predict_worker(args, cfg, examples)
 
 
-def _predict_worker(args, cfg: Config, examples: labelled.Examples) -> int:
+def _predict_worker(args, cfg: Config, examples: classify_inputs.Examples) -> int:
     info = dist.setup(cfg.dist.backend, timeout_s=cfg.dist.timeout_s) if dist.under_torchrun() else None
     rank, world = (info.rank, info.world_size) if info else (0, 1)
     device = info.device if info else torch.device("cuda" if torch.cuda.is_available() else "cpu")

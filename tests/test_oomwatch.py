@@ -1,15 +1,19 @@
-"""A worker killed by the OOM killer is reported as out of memory, with the peak memory the launcher saw."""
+"""A worker killed by the OOM killer is reported as out of memory, with the peak memory the launcher saw;
+how each worker exited is read without taking it from the elastic agent (ExitWatch)."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import sys
 import time
 
 from phalanx.tools import oomwatch
-from phalanx.tools.launch import FailureReporter, failure_line
+from phalanx.tools.failures import Failure, FailureReporter, describe
 from phalanx.tools.oomwatch import (
     GB,
+    ExitWatch,
     MemoryWatch,
     counter_sources,
     read_counters,
@@ -81,30 +85,78 @@ def oom_watch(tmp_path, killed: bool) -> MemoryWatch:
     return watch
 
 
-def test_failure_line_says_out_of_memory_only_for_an_oom_kill(tmp_path):
+def failed(code, local_rank, pid) -> logging.LogRecord:
+    return logging.LogRecord(FailureReporter.LOGGER, logging.ERROR, __file__, 1,
+                             "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+                             (code, local_rank, pid, sys.executable), None)
+
+
+def test_the_account_says_out_of_memory_only_for_an_oom_kill(tmp_path, capsys):
     oom = ("rank 1 (pid 123) killed by SIGKILL: out of memory (the kernel's OOM killer; "
            "peak memory seen: 23.4 GB for all workers, 12.1 GB in one worker)")
-    assert failure_line(-9, 1, 123, True, oom_watch(tmp_path, killed=True)) == oom
-    assert failure_line(-9, 1, 123, True, oom_watch(tmp_path, killed=False)) == "rank 1 (pid 123) killed by SIGKILL"
-    assert failure_line(-9, 1, 123, True) == "rank 1 (pid 123) killed by SIGKILL"
-    # another signal or an exit code keeps its wording even when the counter rose
-    assert failure_line(-15, 0, 7, False, oom_watch(tmp_path, killed=True)) == \
+    for killed, code, want in [(True, -9, oom), (False, -9, "rank 1 (pid 123) killed by SIGKILL"),
+                               # another signal or an exit code keeps its wording even when the counter rose
+                               (True, -15, "rank 1 (pid 123) killed by SIGTERM"),
+                               (True, 1, "rank 1 (pid 123) exited with code 1")]:
+        FailureReporter(max_restarts=0, single_node=True, memory=oom_watch(tmp_path, killed)).emit(failed(code, 1, 123))
+        assert capsys.readouterr().err.splitlines()[0] == f"phalanx: {want}; no restarts left (--max-restarts 0)"
+    assert describe(Failure(rank=None, pid=7, exitcode=-15, local_rank=0), single_node=False) == \
         "local rank 0 on this node (pid 7) killed by SIGTERM"
-    assert failure_line(1, 0, 7, True, oom_watch(tmp_path, killed=True)) == "rank 0 (pid 7) exited with code 1"
 
 
 def test_failure_reporter_prints_the_oom_line_then_judges_the_next_attempt_afresh(tmp_path, capsys):
     reporter = FailureReporter(max_restarts=1, single_node=True, memory=oom_watch(tmp_path, killed=True))
-    record = logging.LogRecord(FailureReporter.LOGGER, logging.ERROR, __file__, 1,
-                               "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
-                               (-9, 1, 123, sys.executable), None)
-    reporter.emit(record)
-    reporter.emit(record)  # the counter did not rise again: a plain SIGKILL this time
+    reporter.emit(failed(-9, 1, 123))
+    reporter.emit(failed(-9, 1, 124))  # the counter did not rise again: a plain SIGKILL this time
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == ("phalanx: rank 1 (pid 123) killed by SIGKILL: out of memory (the kernel's OOM killer; "
                         "peak memory seen: 23.4 GB for all workers, 12.1 GB in one worker); "
                         "restarting all workers from the latest checkpoint (restart 1 of 1)")
-    assert lines[1] == "phalanx: rank 1 (pid 123) killed by SIGKILL; no restarts left (--max-restarts 1)"
+    assert lines[1] == "phalanx: rank 1 (pid 124) killed by SIGKILL; no restarts left (--max-restarts 1)"
+
+
+def test_exit_watch_reads_each_status_and_leaves_the_process_to_its_owner():
+    """A child killed by SIGKILL and one that exits 3: the watch sees both statuses, and Popen (the
+    agent's reaper) still gets them: waitid(WNOWAIT) does not reap."""
+    watch = ExitWatch()
+    killed = subprocess.Popen([sys.executable, "-c", "import os, signal, time; time.sleep(0.3); "
+                               "os.kill(os.getpid(), signal.SIGKILL)"])
+    exits3 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3); raise SystemExit(3)"])
+    watch.follow(killed.pid, 1, 1)
+    watch.follow(exits3.pid, 0, 0)
+    deadline = time.monotonic() + 10
+    while len(watch.exits) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert watch.exits[killed.pid].exitcode == -signal.SIGKILL and watch.exits[killed.pid].rank == 1
+    assert watch.exits[exits3.pid].exitcode == 3 and watch.exits[exits3.pid].time <= time.time()
+    assert killed.wait(timeout=5) == -signal.SIGKILL and exits3.wait(timeout=5) == 3  # still theirs to reap
+
+
+def test_exit_watch_keeps_an_exit_it_was_too_late_for_with_no_status():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=10)  # reaped by its owner before the watch looked
+    watch = ExitWatch()
+    watch.follow(child.pid, 0, 0)
+    assert watch.settle(timeout=5)[child.pid].exitcode is None
+
+
+def test_memory_watch_follows_only_its_own_worker_children():
+    """A child with RANK in its environment is followed; one without is not (not a worker)."""
+    watch = MemoryWatch(sources=[], interval=0.02).start()
+    env = {**os.environ, "RANK": "4", "LOCAL_RANK": "0"}
+    try:
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1); raise SystemExit(5)"], env=env)
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"],
+                                 env={k: v for k, v in os.environ.items() if k != "RANK"})
+        deadline = time.monotonic() + 10
+        while worker.pid not in watch.exits.exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker.wait(timeout=10)
+        other.wait(timeout=10)
+    finally:
+        watch.stop()
+    assert watch.exits.exits[worker.pid].exitcode == 5 and watch.exits.exits[worker.pid].rank == 4
+    assert other.pid not in watch.exits.followed()
 
 
 def test_the_sampler_sees_a_child_that_allocates_200_mb():

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import (
@@ -71,9 +72,10 @@ def test_stop_and_resume_is_bitwise_identical(tmp_path, small_text, cache_dir, b
     the run still matches the baseline's, whose store is one shard."""
     run = tmp_path / "run"
     tiny = "data.shard_mb=0.002"
-    first = phalanx(*args(run, small_text, cache_dir, tiny, "debug.fault=kill:rank=1:step=7"), "--nproc-per-node", 2)
-    assert first.returncode == 1
-    assert "phalanx: rank 1 (pid" in first.stderr and "killed by SIGKILL; no restarts left" in first.stderr
+    first = phalanx(*args(run, small_text, cache_dir, tiny, "debug.fault=kill:rank=1:step=7"), "--nproc-per-node", 2,
+                    timeout=180)
+    assert first.returncode == 1, first.stderr[-3000:]
+    assert_account_names_the_killed_rank(first.stderr, run)
     assert json.loads((run / "checkpoints" / "latest").read_text())["name"] == "step_000006"
     second = phalanx(*args(run, small_text, cache_dir, tiny), "--nproc-per-node", 2, check=True, timeout=180)
     assert "resumed from" in second.stdout and "at step 6" in second.stdout
@@ -81,6 +83,52 @@ def test_stop_and_resume_is_bitwise_identical(tmp_path, small_text, cache_dir, b
     assert sorted(len(s) for s in shards)[-1] >= 5  # the tiny-shard store of this test
     # Same world size, same math: identical bits on CPU (the losses are compared exactly).
     assert_same_run(run, baseline, rel=0.0)
+
+
+def assert_account_names_the_killed_rank(stderr: str, run: Path) -> None:
+    """Whichever rank the agent noticed first (on a busy machine rank 0's Gloo error can come before the
+    agent's poll), rank 1 is named, and rank 0 only as a consequence."""
+    account = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
+    assert account[0].startswith("phalanx: rank 1 (pid ") and "; no restarts left" in account[0], account
+    assert account[1] in ("phalanx: consequences: rank 0 lost a peer (RuntimeError)",
+                          "phalanx: consequences: rank 0 stopped by the launcher"), account
+    pid = account[0].split("(pid ")[1].split(")")[0]
+    assert account[-1] == f"phalanx: training failed: rank 1 (pid {pid}) killed by SIGKILL", account
+    outcome = json.loads((run / "outcome.json").read_text())
+    assert outcome["status"] == "failed" and outcome["exit_code"] == 1 and outcome["rank"] == 1
+    assert outcome["line"] == account[-1].removeprefix("phalanx: ")
+
+
+def test_the_account_names_the_killed_rank_when_the_survivor_dies_first(tmp_path, small_text, cache_dir):
+    """The CI failure, staged: the launcher is frozen (SIGSTOP) while rank 1 is killed and rank 0 dies of
+    the lost peer, so the agent's next poll finds both dead and logs rank 0 first (earliest whole-second
+    timestamp, then the lower rank). Before the ranking this named rank 0 and its Gloo error."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "phalanx", *map(str, args(run, small_text, cache_dir, "debug.fault=kill:rank=1:step=7")),
+           "--nproc-per-node", "2"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and launcher.poll() is None:
+            if (run / "metrics.jsonl").exists() and any(m.get("step", 0) >= 4 for m in metrics(run)):
+                break
+            time.sleep(0.02)
+        workers = psutil.Process(launcher.pid).children()
+        launcher.send_signal(signal.SIGSTOP)
+        deadline = time.time() + 60
+        while time.time() < deadline and not (
+                (run / "errors" / "rank0.json").exists() and all(w.status() == psutil.STATUS_ZOMBIE for w in workers)):
+            time.sleep(0.05)
+        frozen = sorted(w.status() for w in workers)
+    finally:
+        launcher.send_signal(signal.SIGCONT)
+    err = launcher.communicate(timeout=120)[1]
+    assert frozen == [psutil.STATUS_ZOMBIE] * 2, frozen  # the race was staged: both dead before the poll
+    assert json.loads((run / "errors" / "rank0.json").read_text())["lost_peer"] is True
+    assert launcher.returncode == 1
+    assert_account_names_the_killed_rank(err, run)
+    assert "consequences: rank 0 lost a peer (RuntimeError)" in err
 
 
 @pytest.mark.parametrize("new_world", [1, 3])
@@ -121,6 +169,7 @@ def test_elastic_restart_after_sigkill_continues_exactly(tmp_path, small_text, c
     # Which rank failed and why (launcher), and from which step the restarted group resumed (rank 0).
     assert "phalanx: rank 1 (pid" in proc.stderr, proc.stderr[-3000:]
     assert "killed by SIGKILL; restarting all workers from the latest checkpoint (restart 1 of 1)" in proc.stderr
+    assert json.loads((run / "outcome.json").read_text())["status"] == "ok"
     assert_same_run(run, baseline, rel=0.0)
 
 
@@ -152,6 +201,8 @@ def test_signal_saves_exits_75_and_resumes_exactly(tmp_path, small_text, cache_d
     assert launcher.returncode == 75, err[-3000:]
     marker = json.loads((run / "PREEMPTED").read_text())
     assert f"preempted at step {marker['step']}; run the same command to resume" in err
+    outcome = json.loads((run / "outcome.json").read_text())
+    assert (outcome["status"], outcome["exit_code"], outcome["step"]) == ("preempted", 75, marker["step"])
     assert (run / "checkpoints" / f"step_{marker['step']:06d}").is_dir()
     phalanx(*args(run, small_text, cache_dir), "--nproc-per-node", 2, check=True, timeout=180)
     assert_same_run(run, baseline, rel=0.0)
@@ -173,6 +224,9 @@ def test_nan_stop_policy_names_the_step(tmp_path, small_text, cache_dir):
                    "--nproc-per-node", 2, timeout=180)
     assert proc.returncode == 1
     assert "non-finite loss or gradient norm at step 4, micro-batch" in proc.stderr
+    outcome = json.loads((run / "outcome.json").read_text())
+    assert outcome["status"] == "failed" and outcome["step"] == 4
+    assert outcome["line"].startswith("stopped: non-finite loss or gradient norm at step 4")
 
 
 def test_hang_is_diagnosed_and_the_job_exits(tmp_path, small_text, cache_dir):
@@ -186,6 +240,8 @@ def test_hang_is_diagnosed_and_the_job_exits(tmp_path, small_text, cache_dir):
     summary = (run / "hang" / "summary.txt").read_text()
     assert "rank(s) 1 did not reach the collective at step 3" in summary
     assert "rank(s) 1 did not reach" in proc.stderr
+    outcome = json.loads((run / "outcome.json").read_text())
+    assert (outcome["status"], outcome["exit_code"], outcome["line"]) == ("hang", 3, summary.strip())
     for r in (0, 1):
         text = (run / "hang" / f"rank{r}.txt").read_text()
         assert "Thread" in text or "File" in text  # a real Python stack

@@ -1,12 +1,14 @@
-"""The run folder's contract, in one place: its paths, the marker files that say how a run ended, and
-the launcher's exit codes. Outside scripts rely on these names (README "Run folder"). Torch-free, so
-`phalanx report` can use it.
+"""The run folder's contract, in one place: its paths, the marker files that say how a run ended, the
+launcher's outcome.json, and the exit codes. Outside scripts rely on these names (README "Run folder").
+Torch-free, so `phalanx report` and `phalanx sweep` can use it.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
+import time
 from pathlib import Path
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HANG, EXIT_PREEMPTED = 0, 1, 2, 3, 75
@@ -52,6 +54,7 @@ class RunFolder:
         self.hang_summary = self.hang / "summary.txt"
         self.errors = self.root / "errors"                # rank<r>.json: a worker's own error, any exception
         self.logs = self.root / "logs"                    # workers' stderr and the elastic agent's log
+        self.outcome_file = self.root / "outcome.json"    # the launcher's account of how the run ended
 
     def publish_final(self) -> None:
         """The export into final_tmp is complete: it becomes final/, replacing an older one."""
@@ -64,6 +67,7 @@ class RunFolder:
         self.error.unlink(missing_ok=True)
         shutil.rmtree(self.hang, ignore_errors=True)
         shutil.rmtree(self.errors, ignore_errors=True)
+        self.outcome_file.unlink(missing_ok=True)
 
     def mark_preempted(self, step: int, signal_name: str | None) -> None:
         write_json(self.preempted, {"step": step, "signal": signal_name})
@@ -71,18 +75,51 @@ class RunFolder:
     def mark_error(self, message: str, step: int | None) -> None:
         write_json(self.error, {"error": message, "step": step})
 
-    def mark_rank_error(self, rank: int, error: BaseException, trace: str) -> None:
-        """A worker's own account of why it failed, read by the launcher's failure line."""
+    def mark_rank_error(self, rank: int, error: BaseException, trace: str, lost_peer: bool) -> None:
+        """A worker's own account of why it failed, read by the launcher's failure account. `lost_peer`:
+        the error is the group's, not this rank's (a peer vanished under a collective)."""
         self.errors.mkdir(parents=True, exist_ok=True)
         first = (str(error).strip().splitlines() or [""])[0]
-        write_json(self.errors / f"rank{rank}.json", {"rank": rank, "pid": os.getpid(),
-                                                       "error": f"{type(error).__name__}: {first}".rstrip(": "),
-                                                       "traceback": trace})
+        kind = type(error)
+        write_json(self.errors / f"rank{rank}.json", {
+            "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
+            "error": f"{kind.__name__}: {first}".rstrip(": "),
+            "type": kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}",
+            "lost_peer": lost_peer, "traceback": trace})
 
-    def rank_error(self, pid: int) -> str | None:
-        """The first line of the error the worker with this pid recorded, if it recorded one."""
+    def rank_record(self, pid: int) -> dict | None:
+        """The error record of this machine's worker with this pid, if it wrote one (several nodes share
+        the folder, and a pid is unique only on its machine)."""
+        host = socket.gethostname()
         for path in sorted(self.errors.glob("rank*.json")):
             record = read_json(path)
-            if record and record.get("pid") == pid:
-                return record.get("error")
+            if isinstance(record, dict) and record.get("pid") == pid and record.get("host", host) == host:
+                return record
+        return None
+
+    def write_outcome(self, status: str, exit_code: int, line: str, step: int | None, **extra) -> None:
+        """How the run ended, in the launcher's words (README "Run folder": the keys)."""
+        write_json(self.outcome_file, {"status": status, "exit_code": exit_code, "line": line, "step": step,
+                                       "time": round(time.time(), 3), **extra})
+
+    def outcome(self) -> dict | None:
+        """outcome.json, or None: a run still going, one whose launcher was killed, or an older run."""
+        data = read_json(self.outcome_file)
+        return data if isinstance(data, dict) and isinstance(data.get("status"), str) else None
+
+    def last_step(self) -> int | None:
+        """The last step metrics.jsonl logged (read from its end; torn lines are skipped)."""
+        try:
+            with open(self.metrics, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+                tail = f.read().decode("utf-8", errors="replace").splitlines()
+        except OSError:
+            return None
+        for line in reversed(tail):
+            try:
+                step = json.loads(line).get("step")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(step, int):
+                return step
         return None

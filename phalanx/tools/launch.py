@@ -3,7 +3,9 @@
 Everything that can be checked is checked here, before any worker starts (exit code 2). Workers get
 the resolved config as a file path. Rendezvous is c10d on a free port (standalone) unless an endpoint is
 given for multi-node. Each elastic attempt gets a fresh rendezvous store
-(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, DESIGN.md pitfall 1).
+(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the shared one kept a dead worker's keys and the next attempt
+failed or hung in 5 of 8 restarts on this machine). How the run ended is worked out once, here
+(`finish`), and written to RUN/outcome.json for `phalanx report` and `phalanx sweep`.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import psutil
 import torch.distributed.run as trun
@@ -41,9 +44,10 @@ from phalanx.core.runfolder import (
 )
 from phalanx.model import precision
 from phalanx.run.checkpoint import CheckpointError, check_safe, read_meta, resolve_resume
-from phalanx.run.train import train
 from phalanx.run.watchdog import summarize
+from phalanx.run.worker import serve
 from phalanx.tasks import get_task, prepare_data
+from phalanx.tools.failures import FailureReporter, GroupFailure, failure_line_of  # noqa: F401 (predict)
 from phalanx.tools.oomwatch import MemoryWatch
 
 
@@ -173,12 +177,14 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     finally:
         if config_path.parent != run_dir:
             config_path.unlink(missing_ok=True)
-    return outcome(run_dir, failure)
+    return finish(RunFolder(run_dir), failure)
 
 
 def run_workers(module_argv: list[str], nproc_per_node: int, threads: int, *, nnodes: str = "1",
-                rdzv_endpoint: str = "", rdzv_id: str = "", max_restarts: int = 0, folder: RunFolder | None = None):
-    """Start `python -m MODULE ARGS` as workers under PyTorch's elastic agent; the failure, or None.
+                rdzv_endpoint: str = "", rdzv_id: str = "", max_restarts: int = 0,
+                folder: RunFolder | None = None) -> GroupFailure | None:
+    """Start `python -m MODULE ARGS` as workers under PyTorch's elastic agent; how the group failed
+    (failures.GroupFailure: its failures ranked root cause first), or None.
     Every phalanx command that starts workers (train, predict) comes through here. With a run folder,
     the workers' stderr (the tracebacks a dying rank causes in the others) and the agent's own log go to
     RUN/logs, and the console keeps phalanx's one-line account of each failure, which names them."""
@@ -189,9 +195,9 @@ def run_workers(module_argv: list[str], nproc_per_node: int, threads: int, *, nn
     # Slurm's pre-timeout signal: the elastic agent does not handle SIGUSR1, so hand it to the workers,
     # which save and stop exactly as on SIGTERM.
     signal.signal(signal.SIGUSR1, _forward_to_workers)
-    memory = MemoryWatch()  # so that a worker killed by the OOM killer is reported as out of memory
-    failures = FailureReporter(max_restarts, single_node=not rdzv_endpoint, memory=memory, folder=folder)
-    logging.getLogger(FailureReporter.LOGGER).addHandler(failures)
+    memory = MemoryWatch()  # how each worker exited, and whether the OOM killer killed one
+    reporter = FailureReporter(max_restarts, single_node=not rdzv_endpoint, memory=memory, folder=folder)
+    logging.getLogger(FailureReporter.LOGGER).addHandler(reporter)
     log_dir = folder.logs if folder is not None else None
     args = trun.get_args_parser().parse_args(
         torchrun_args(module_argv, nproc_per_node, nnodes, rdzv_endpoint, rdzv_id, max_restarts, log_dir))
@@ -200,10 +206,10 @@ def run_workers(module_argv: list[str], nproc_per_node: int, threads: int, *, nn
         memory.start()
         trun.run(args)
     except (ChildFailedError, SignalException) as e:
-        return e
+        return reporter.group_failure(e)
     finally:
         memory.stop()
-        logging.getLogger(FailureReporter.LOGGER).removeHandler(failures)
+        logging.getLogger(FailureReporter.LOGGER).removeHandler(reporter)
         if quiet is not None:
             quiet()
     return None
@@ -223,70 +229,6 @@ def _agent_log_to_file(path: Path):
         handler.close()
         logger.propagate = True
     return undo
-
-
-class FailureReporter(logging.Handler):
-    """Says in phalanx's words which worker failed and why, and whether the group restarts. The elastic
-    agent knows (it logs 'failed (exitcode: X) local_rank: L (pid: P)' once per failed attempt, for the
-    first worker that failed); the workers restarted after it say from which step they resume. With a
-    MemoryWatch (oomwatch.py), a worker killed by the kernel's OOM killer is said to be out of memory."""
-
-    LOGGER = "torch.distributed.elastic.multiprocessing.api"
-
-    def __init__(self, max_restarts: int, single_node: bool, memory: MemoryWatch | None = None,
-                 folder: RunFolder | None = None):
-        super().__init__(logging.ERROR)
-        self.max_restarts, self.single_node, self.failures = max_restarts, single_node, 0
-        self.memory, self.folder = memory, folder
-
-    def emit(self, record: logging.LogRecord) -> None:
-        args = record.args if isinstance(record.args, tuple) else ()
-        if not str(record.msg).startswith("failed (exitcode") or len(args) < 3:
-            return  # another message, or a torch whose wording changed: its own log line still says it
-        code, local_rank, pid = args[:3]
-        self.failures += 1
-        line = failure_line(code, local_rank, pid, self.single_node, self.memory, self.folder)
-        if self.memory is not None:
-            self.memory.snapshot()  # the next attempt's OOM kills are its own
-        print(f"phalanx: {line}; "
-              + (f"restarting all workers from the latest checkpoint (restart {self.failures} of "
-                 f"{self.max_restarts})" if self.failures <= self.max_restarts else
-                 f"no restarts left (--max-restarts {self.max_restarts})")
-              + (f"; all workers' output in {self.folder.logs}" if self.folder is not None else ""),
-              file=sys.stderr, flush=True)
-
-
-def failure_line(code, local_rank, pid, single_node: bool, memory: MemoryWatch | None = None,
-                 folder: RunFolder | None = None) -> str:
-    who = f"rank {local_rank}" if single_node else f"local rank {local_rank} on this node"
-    try:
-        code = int(code)
-    except (TypeError, ValueError):
-        return f"{who} (pid {pid}) failed (exit code {code})"
-    if code < 0:
-        try:
-            why = f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            why = f"killed by signal {-code}"
-        if code == -signal.SIGKILL and memory is not None and memory.oom_killed():
-            why += f": out of memory (the kernel's OOM killer; {memory.describe()})"
-    else:
-        own = folder.rank_error(int(pid)) if folder is not None else None
-        why = f"exited with code {code}" + (f": {own}" if own else "")
-    return f"{who} (pid {pid}) {why}"
-
-
-def failure_line_of(failure, folder: RunFolder | None = None) -> str:
-    """One line for a failed worker group: which rank failed first and why (never torch's banner)."""
-    failures = getattr(failure, "failures", None)  # ChildFailedError: {global rank: ProcessFailure}
-    if failures:
-        rank, first = min(failures.items(), key=lambda item: item[1].timestamp)
-        return failure_line(first.exitcode, rank, first.pid, single_node=True, folder=folder)
-    sigval = getattr(failure, "sigval", None)  # SignalException: the launcher itself got a signal
-    if sigval is not None:
-        return f"the launcher received {signal.Signals(sigval).name}"
-    text = str(failure).strip()
-    return text.splitlines()[0] if text else repr(failure)
 
 
 def worker_config(cfg: Config, run_dir: Path, multinode: bool) -> Path:
@@ -311,35 +253,45 @@ def _forward_to_workers(signum, frame) -> None:
             pass
 
 
-def outcome(run_dir: Path, failure) -> int:
-    """Turn markers left by the workers into a one-line message and an exit code."""
+def finish(folder: RunFolder, failure: GroupFailure | None) -> int:
+    """Say how the run ended (one line on stderr), write RUN/outcome.json, return the exit code."""
+    status, code, line, step, extra = ending(folder, failure)
+    if status != "ok":
+        print(f"phalanx: {line}", file=sys.stderr, flush=True)
+    folder.write_outcome(status, code, line, step, **extra)
+    return code
 
-    folder = RunFolder(run_dir)
+
+def ending(folder: RunFolder, failure: GroupFailure | None) -> tuple[str, int, str, int | None, dict]:
+    """(status, exit code, one-line account, step, extra outcome.json keys), from the markers the workers
+    left, then the group's failure. The markers come first: the agent reports a failure (or its own
+    signal) even when every worker saved on SIGTERM and exited 0, or stopped together on a NaN."""
     preempted = read_json(folder.preempted)
     if preempted:
-        print(f"phalanx: preempted at step {preempted['step']}; run the same command to resume", file=sys.stderr,
-              flush=True)
-        return EXIT_PREEMPTED
+        step = preempted["step"]
+        return ("preempted", EXIT_PREEMPTED, f"preempted at step {step}; run the same command to resume", step,
+                {"signal": preempted.get("signal")})
     hang = summarize(folder.hang)
     if hang:
         folder.hang_summary.write_text(hang + "\n")
-        print(f"phalanx: {hang}", file=sys.stderr, flush=True)
-        return EXIT_HANG
+        return "hang", EXIT_HANG, hang, folder.last_step(), {}
     error = read_json(folder.error)
     if error:
-        print(f"phalanx: stopped: {error['error']}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        return "failed", EXIT_FAILED, f"stopped: {error['error']}", error.get("step"), {}
     if failure is not None:
-        print(f"phalanx: training failed: {failure_line_of(failure, folder)}",
-              file=sys.stderr, flush=True)
-        return EXIT_FAILED
-    return EXIT_OK
+        cause = failure.ranked[0] if failure.ranked else None
+        return ("failed", EXIT_FAILED, f"training failed: {failure.line()}", folder.last_step(),
+                {"rank": cause.rank if cause else None, "pid": cause.pid if cause else None,
+                 "consequences": failure.consequences()})
+    summary = read_json(folder.summary) or {}
+    step = summary.get("steps", folder.last_step())
+    return "ok", EXIT_OK, f"finished at step {step}", step, {}
 
 
-def run_as_worker(cfg: Config) -> int:
-    """Already inside torchrun/srun: be that worker instead of launching again."""
+def run_as_worker(cfg: Config) -> NoReturn:
+    """Already inside torchrun/srun: be that worker instead of launching again, through the one worker
+    entry point (run/worker.serve: the rank's error record, exit without the Gloo teardown)."""
     get_task(cfg.task).check_config(cfg)
     check_world(cfg, int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))))
     check_hardware(cfg)
-    summary = train(cfg)
-    return EXIT_PREEMPTED if summary.get("preempted") else EXIT_OK
+    serve(lambda: cfg, preempted_code=EXIT_PREEMPTED)

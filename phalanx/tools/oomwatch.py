@@ -1,14 +1,19 @@
-"""Did the kernel's OOM killer kill a worker, and how much memory did the workers hold?
+"""How did each worker end, did the kernel's OOM killer kill one, and how much memory did they hold?
 
 A worker killed by SIGKILL looks the same whether the OOM killer, a scheduler or a user sent it. The
 kernel counts its OOM kills (`oom_kill`) in the cgroup files and in /proc/vmstat, so the launcher reads
 those counters when it starts and again when a worker dies: a counter that rose means out of memory.
 The RSS peaks come from sampling the launcher's process tree, because a killed worker can no longer
-say how much it held. No torch here: the launcher imports this before any worker exists.
+say how much it held. The exit status of every worker (ExitWatch) is read the moment it exits, because
+the elastic agent keeps only the one failure it logs until the group is given up. No torch here: the
+launcher imports this before any worker exists.
 """
 from __future__ import annotations
 
+import os
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -93,15 +98,96 @@ def _read_lines(path: str | Path) -> list[str]:
         return []
 
 
+@dataclass(frozen=True)
+class WorkerExit:
+    pid: int
+    rank: int | None        # RANK and LOCAL_RANK of the worker's environment
+    local_rank: int | None
+    exitcode: int | None    # as subprocess reports it (negative: killed by that signal); None: not seen
+    time: float             # when it was seen (Unix time)
+
+
+class ExitWatch:
+    """How each worker process ended, as the kernel reports it, read without reaping it.
+
+    The elastic agent reaps its workers on its own poll (every 0.2 s) and, until it gives the group up,
+    reports only the failure with the earliest whole-second timestamp. Here one thread per worker blocks
+    in waitid(WNOWAIT): it wakes the moment the worker exits and reads its status, leaving the process for
+    the agent to reap as before. Should the agent reap it first, the exit is kept with exitcode None.
+    Only the launcher's own children can be watched (the kernel's rule for waitid)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._threads: dict[int, threading.Thread] = {}
+        self._ranks: dict[int, tuple[int | None, int | None]] = {}
+        self.exits: dict[int, WorkerExit] = {}
+
+    def follow(self, pid: int, rank: int | None, local_rank: int | None) -> None:
+        if not hasattr(os, "waitid"):
+            return
+        with self._lock:
+            if pid in self._threads:
+                return
+            self._ranks[pid] = (rank, local_rank)
+            thread = self._threads[pid] = threading.Thread(target=self._wait, args=(pid,), daemon=True,
+                                                           name=f"phalanx-exit-watch-{pid}")
+        thread.start()
+
+    def followed(self) -> dict[int, tuple[int | None, int | None]]:
+        """pid -> (rank, local rank) of every worker followed so far."""
+        with self._lock:
+            return dict(self._ranks)
+
+    def settle(self, timeout: float = 1.0) -> dict[int, WorkerExit]:
+        """The exits seen so far, after giving the watchers of processes that are gone a moment to
+        record theirs (the agent logs a failure right after reaping it)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = list(self._threads.items())
+        for pid, thread in threads:
+            if thread.is_alive() and not _running(pid):
+                thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            return dict(self.exits)
+
+    def _wait(self, pid: int) -> None:
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        except ChildProcessError:  # reaped by the agent first (or not our child)
+            code = None
+        rank, local_rank = self._ranks[pid]
+        with self._lock:
+            self.exits[pid] = WorkerExit(pid, rank, local_rank, code, time.time())
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _rank_of(child: psutil.Process) -> tuple[int | None, int | None] | None:
+    """(RANK, LOCAL_RANK) from a child's environment; None for a child that is not a worker (yet)."""
+    try:
+        env = child.environ()
+        return int(env["RANK"]), int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else None
+    except (psutil.Error, KeyError, ValueError):
+        return None
+
+
 class MemoryWatch:
     """Started by the launcher before the workers: keeps the peak RSS of all its descendants together
-    and of the largest single one (sampled every `interval` seconds), and the OOM counters at start."""
+    and of the largest single one (sampled every `interval` seconds), the OOM counters at start, and
+    (`exits`) how each worker it saw started ended."""
 
     def __init__(self, sources=None, interval: float = 0.1, pid: int | None = None):
         self.sources = counter_sources() if sources is None else [Path(p) for p in sources]
         self.interval, self.pid = min(interval, 0.1), pid
         self.peak_total = self.peak_one = 0
         self.baseline: dict[Path, int] = {}
+        self.exits = ExitWatch()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -128,17 +214,24 @@ class MemoryWatch:
             self._thread.join(timeout=2)
 
     def sample(self) -> None:
-        """One reading of the process tree's resident memory (shared pages count in each process)."""
+        """One reading of the process tree's resident memory (shared pages count in each process); a new
+        worker among the children is followed until it exits (ExitWatch)."""
         try:
             children = psutil.Process(self.pid).children(recursive=True)
         except psutil.Error:
             return
         total = one = 0
+        followed = self.exits.followed()
         for child in children:
             try:
                 rss = child.memory_info().rss
+                mine = child.ppid() == os.getpid()  # waitid: only our own children
             except psutil.Error:  # exited between listing and reading
                 continue
+            if mine and child.pid not in followed:  # a worker the agent just started
+                ranks = _rank_of(child)
+                if ranks is not None:
+                    self.exits.follow(child.pid, *ranks)
             total, one = total + rss, max(one, rss)
         self.peak_total, self.peak_one = max(self.peak_total, total), max(self.peak_one, one)
 

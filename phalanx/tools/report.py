@@ -77,9 +77,24 @@ def _read_yaml(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+# outcome.json's status -> the report's words (the launcher's line follows for failures and hangs)
+OUTCOME_WORDS = {"ok": "finished", "preempted": "preempted (resumable)", "hang": "hung", "failed": "failed"}
+
+
 def _status(path: Path, records: list[dict], summary: dict | None) -> str:
-    last_step = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+    """From the launcher's RUN/outcome.json; for a run without one (still going, its launcher killed, or
+    older than outcome.json, or started by an outside torchrun), from the markers and the metrics."""
     folder = RunFolder(path)
+    outcome = folder.outcome()
+    if outcome:
+        words = OUTCOME_WORDS.get(outcome["status"], outcome["status"])
+        if outcome["status"] in ("ok", "preempted"):
+            return words
+        line = str(outcome.get("line", ""))
+        for prefix in ("training failed: ", "stopped: "):  # 'failed: training failed: ...' says it twice
+            line = line.removeprefix(prefix)
+        return f"{words}: {line}"
+    last_step = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
     if folder.preempted.exists():
         return "preempted (resumable)"
     error = _read_json(folder.error)

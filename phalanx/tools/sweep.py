@@ -300,7 +300,7 @@ class SweepRunner:
             else:
                 self._fail(r, f"no {self.sweep.metric} in {RunFolder(r.folder).summary}")
         else:
-            self._fail(r, _reason(r.folder, code))
+            self._fail(r, _reason(r.folder, code, since=r.started))
         self._say(f"sweep: trial {r.number} {self._state_word(r)}; {self._progress_text(self._counts())}")
 
     def _fail(self, r: Running, reason: str) -> None:
@@ -405,14 +405,18 @@ def best_trial(rows: list[dict], direction: str) -> dict | None:
             "mean_over_seeds": configs[0]["mean"], "run_dir": best["run_dir"]}
 
 
-def _reason(folder: Path, code: int) -> str:
-    """The trial's own one-line account: the launcher's last 'phalanx:' line, else the exit code."""
+def _reason(folder: Path, code: int, since: float) -> str:
+    """The trial's one-line account: its launcher's RUN/outcome.json `line` (written after `since`, when
+    the trial started). Without one — a command refused before it started (exit 2 writes nothing in the
+    run folder, so its one line is the console's last), or a launcher that was itself killed — the
+    console's last line."""
+    outcome = RunFolder(folder).outcome()
+    if outcome and outcome.get("line") and outcome.get("time", 0) >= since:
+        return outcome["line"]
     log = folder / "sweep-trial.log"
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
-    accounts = [line for line in lines if line.startswith("phalanx: ") and ("failed" in line or "stopped" in line
-                                                                          or "error" in line or "hang" in line)]
-    if accounts:
-        return accounts[-1][len("phalanx: "):]
+    if lines and lines[-1].startswith("phalanx: "):
+        return lines[-1][len("phalanx: "):]
     return f"exit code {code}" + (f": {lines[-1]}" if lines else "")
 
 

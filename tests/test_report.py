@@ -49,6 +49,24 @@ def test_report_on_finished_run(finished):
         assert text in md, text
 
 
+def test_the_status_comes_from_the_launchers_outcome(finished, tmp_path):
+    outcome = json.loads((finished / "outcome.json").read_text())
+    assert (outcome["status"], outcome["exit_code"], outcome["step"], outcome["line"]) == ("ok", 0, 8,
+                                                                                          "finished at step 8")
+    run = tmp_path / "failed"
+    shutil.copytree(finished, run, ignore=shutil.ignore_patterns("report*"))
+    (run / "summary.json").unlink()
+    (run / "outcome.json").write_text(json.dumps({
+        "status": "failed", "exit_code": 1, "line": "training failed: rank 1 (pid 5) killed by SIGKILL", "step": 6,
+        "time": 0, "rank": 1, "pid": 5, "consequences": "rank 0 lost a peer (RuntimeError)"}))
+    phalanx("report", run, check=True)
+    assert "| status | failed: rank 1 (pid 5) killed by SIGKILL |" in (run / "report.md").read_text()
+    (run / "outcome.json").unlink()  # an older run, or one whose launcher was killed: the markers decide
+    phalanx("report", run, check=True)
+    md = (run / "report.md").read_text()
+    assert "running (no summary yet)" in md or "stopped without a summary" in md
+
+
 def test_report_on_truncated_metrics(torn):
     phalanx("report", torn, check=True)
     assert_pngs(torn / "report")

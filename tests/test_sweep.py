@@ -14,7 +14,8 @@ import yaml
 from conftest import REPO, SHAKESPEARE, TINY_LM, metrics, phalanx
 
 from phalanx.core.config import ConfigError
-from phalanx.tools.sweep import plan_slots
+from phalanx.core.runfolder import RunFolder
+from phalanx.tools.sweep import _reason, plan_slots
 from phalanx.tools.sweepspec import load_sweep
 
 
@@ -90,7 +91,24 @@ def test_worse_lr_is_pruned_through_exit_75_and_a_nan_stop_is_fail(tmp_path, cac
     proc = phalanx("sweep", nan, "--out", tmp_path / "nan-sw", timeout=300)
     assert proc.returncode == 1  # no trial completed
     (failed,) = rows(tmp_path / "nan-sw")
-    assert failed["state"] == "FAIL" and "non-finite loss" in failed["reason"], failed
+    assert failed["state"] == "FAIL" and failed["reason"].startswith("stopped: non-finite loss"), failed
+    assert failed["reason"] == json.loads((Path(failed["run_dir"]) / "outcome.json").read_text())["line"]
+
+
+def test_the_reason_is_the_launchers_outcome_line_else_the_consoles_last(tmp_path):
+    """The launcher's RUN/outcome.json written since the trial started; without one (a command refused
+    before it started writes nothing there; a killed launcher) the console's last line, as it was."""
+    log = tmp_path / "sweep-trial.log"
+    log.write_text("phalanx: rank 1 (pid 9) killed by SIGKILL; no restarts left (--max-restarts 0)\n"
+                   "phalanx: training failed: rank 1 (pid 9) killed by SIGKILL\n")
+    RunFolder(tmp_path).write_outcome("failed", 1, "training failed: rank 1 (pid 9) killed by SIGKILL", 6)
+    assert _reason(tmp_path, 1, since=time.time() - 60) == "training failed: rank 1 (pid 9) killed by SIGKILL"
+    log.write_text("... a traceback\nphalanx: error: train.lr: expected a number > 0, got -1\n")
+    assert _reason(tmp_path, 2, since=time.time() + 60) == "error: train.lr: expected a number > 0, got -1"  # stale
+    RunFolder(tmp_path).outcome_file.unlink()
+    assert _reason(tmp_path, 2, since=0) == "error: train.lr: expected a number > 0, got -1"
+    log.write_text("Killed\n")
+    assert _reason(tmp_path, 137, since=0) == "exit code 137: Killed"
 
 
 def test_ctrl_c_stops_cleanly_and_the_same_command_resumes(tmp_path, cache_dir):

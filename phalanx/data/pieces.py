@@ -216,9 +216,12 @@ def line_of(path: str, offset: int) -> int:
 
 
 def read_bytes(path: str, start: int, end: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(start)
-        return f.read(end - start)
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+    except OSError as e:  # removed or unreadable since it was planned: one line, also from a pool worker
+        raise ConfigError(f"data file '{path}': cannot read ({one_line(e)})") from None
 
 
 def decode(buf: bytes, path: str, base: int) -> str:
@@ -287,6 +290,13 @@ def rows(piece: Piece, fields: Fields, batch_bytes: int = 1 << 20) -> Iterator[t
             batch = list(piece.docs[lo:lo + 4096])
             yield batch, sum(len(v) for item in batch for v in item if isinstance(v, str))
     elif piece.kind == "jsonl":
+        yield from _jsonl_batches(piece, fields, batch_bytes)
+    else:
+        yield from _parquet_rows(piece, fields)
+
+
+def _jsonl_batches(piece: Piece, fields: Fields, batch_bytes: int) -> Iterator[tuple[list[tuple], int]]:
+    try:
         with open(piece.source, "rb") as f:
             f.seek(piece.start)
             pos = piece.start
@@ -296,8 +306,8 @@ def rows(piece: Piece, fields: Fields, batch_bytes: int = 1 << 20) -> Iterator[t
                     buf += f.readline()  # complete the last line
                 yield jsonl_rows(buf, piece.source, pos, fields), len(buf)
                 pos += len(buf)
-    else:
-        yield from _parquet_rows(piece, fields)
+    except OSError as e:  # removed or unreadable since it was planned: one line, also from a pool worker
+        raise ConfigError(f"data file '{piece.source}': cannot read ({one_line(e)})") from None
 
 
 def _parquet_rows(piece: Piece, fields: Fields) -> Iterator[tuple[list[tuple], int]]:

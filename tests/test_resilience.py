@@ -89,10 +89,11 @@ def assert_account_names_the_killed_rank(stderr: str, run: Path) -> None:
     """Whichever rank the agent noticed first (on a busy machine rank 0's Gloo error can come before the
     agent's poll), rank 1 is named, and rank 0 only as a consequence."""
     account = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
-    assert account[0].startswith("phalanx: rank 1 (pid ") and "; no restarts left" in account[0], account
-    assert account[1] in ("phalanx: consequences: rank 0 lost a peer (RuntimeError)",
-                          "phalanx: consequences: rank 0 stopped by the launcher"), account
-    pid = account[0].split("(pid ")[1].split(")")[0]
+    (at,) = [i for i, line in enumerate(account) if "; no restarts left" in line]  # the agent's one failure
+    assert account[at].startswith("phalanx: rank 1 (pid "), account
+    assert account[at + 1] in ("phalanx: consequences: rank 0 lost a peer (RuntimeError)",
+                               "phalanx: consequences: rank 0 stopped by the launcher"), account
+    pid = account[at].split("(pid ")[1].split(")")[0]
     assert account[-1] == f"phalanx: training failed: rank 1 (pid {pid}) killed by SIGKILL", account
     outcome = json.loads((run / "outcome.json").read_text())
     assert outcome["status"] == "failed" and outcome["exit_code"] == 1 and outcome["rank"] == 1
@@ -111,10 +112,10 @@ def test_the_account_names_the_killed_rank_when_the_survivor_dies_first(tmp_path
     try:
         deadline = time.time() + 120
         while time.time() < deadline and launcher.poll() is None:
-            if (run / "metrics.jsonl").exists() and any(m.get("step", 0) >= 4 for m in metrics(run)):
-                break
+            if (run / "metrics.jsonl").exists() and any(m.get("step", 0) >= 2 for m in metrics(run)):
+                break  # (5 steps before the kill: room for a slow poll here on a busy machine)
             time.sleep(0.02)
-        workers = psutil.Process(launcher.pid).children()
+        workers = [w for w in psutil.Process(launcher.pid).children() if "RANK" in w.environ()]
         launcher.send_signal(signal.SIGSTOP)
         deadline = time.time() + 60
         while time.time() < deadline and not (

@@ -47,7 +47,7 @@ def serve(load: Callable[[], Config], preempted_code: int) -> NoReturn:
     """Load the config, train, end the process. `preempted_code`: the exit code of a clean preemption,
     0 under phalanx's launcher (which reads the PREEMPTED marker; any other code is a failure to the
     elastic agent), 75 under an outside torchrun/srun (the scheduler sees it)."""
-    code, cfg = EXIT_FAILED, None
+    code, cfg = EXIT_OK, None
     try:
         cfg = load()
         summary = train(cfg)
@@ -60,7 +60,9 @@ def serve(load: Callable[[], Config], preempted_code: int) -> NoReturn:
             sys.stderr.write(trace)
         if cfg is not None:  # the launcher names this error in its one-line account of the failure
             RunFolder(cfg.run_dir).mark_rank_error(int(os.environ.get("RANK", "0")), e, trace, is_lost_peer(e))
-        code = EXIT_BAD_INPUT if isinstance(e, ConfigError) else 130 if isinstance(e, KeyboardInterrupt) else code
+        code = EXIT_BAD_INPUT if isinstance(e, ConfigError) else EXIT_FAILED
+        if isinstance(e, KeyboardInterrupt):  # Ctrl-C before the loop's own SIGINT handler: as the CLI says it
+            code = 130
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

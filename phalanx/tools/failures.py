@@ -106,9 +106,9 @@ def consequences(rest: list[Failure], single_node: bool = True) -> str | None:
 
 @dataclass
 class GroupFailure:
-    """How a worker group failed (what launch.run_workers returns): the error torch raised, and the
-    failures ranked root cause first."""
-    error: BaseException
+    """How a worker group failed (what launch.run_workers returns): the failures ranked root cause first,
+    and the error torch raised (ChildFailedError, or SignalException when the launcher got a signal)."""
+    error: BaseException | None = None
     ranked: list[Failure] = field(default_factory=list)
     single_node: bool = True
     memory: str = ""
@@ -123,7 +123,7 @@ class GroupFailure:
         sigval = getattr(self.error, "sigval", None)  # SignalException: the launcher itself got a signal
         if sigval is not None:
             return f"the launcher received {signal.Signals(sigval).name}"
-        text = str(self.error).strip()
+        text = str(self.error or "").strip()
         return text.splitlines()[0] if text else repr(self.error)
 
     def consequences(self) -> str | None:
@@ -158,7 +158,7 @@ class FailureReporter(logging.Handler):
         self.failures += 1
         self.last = rank_failures(self._attempt(_int(args[0]), _int(args[1]), _int(args[2])))
         self.accounted |= {f.pid for f in self.last}
-        group = GroupFailure(RuntimeError("worker failed"), self.last, self.single_node, self._memory_text())
+        group = GroupFailure(None, self.last, self.single_node, self._memory_text())
         if self.memory is not None:
             self.memory.snapshot()  # the next attempt's OOM kills are its own
         restart = (f"restarting all workers from the latest checkpoint (restart {self.failures} of "
@@ -176,8 +176,8 @@ class FailureReporter(logging.Handler):
         ranked = []
         for rank, pf in (getattr(error, "failures", None) or {}).items():
             seen = told.get(pf.pid)
-            ranked.append(self._failure(pf.pid, rank, pf.local_rank, pf.exitcode,
-                                        seen.time if seen else pf.timestamp, oom=seen.oom if seen else None))
+            when = seen.time if seen and seen.time is not None else pf.timestamp  # (whole seconds)
+            ranked.append(self._failure(pf.pid, rank, pf.local_rank, pf.exitcode, when, oom=seen and seen.oom))
         return GroupFailure(error, rank_failures(ranked), self.single_node, self._memory_text())
 
     def _attempt(self, code: int | None, local_rank: int | None, pid: int | None) -> list[Failure]:

@@ -16,6 +16,7 @@ EXTRA_COMMANDS = {"report": ("phalanx.tools.report", "plots and a Markdown summa
                   "doctor": ("phalanx.tools.doctor", "pre-flight checks of the distributed set-up"),
                   "predict": ("phalanx.tools.predict", "predict labels with a trained classifier (RUN/final)"),
                   "generate": ("phalanx.tools.generate", "sample text from a trained language model (RUN/final)"),
+                  "chat": ("phalanx.tools.chat", "talk to a trained chat model (RUN/final), or answer one --message"),
                   "sweep": ("phalanx.tools.sweep", "hyperparameter search whose trials are multi-process runs "
                             "(Optuna)")}
 

@@ -80,6 +80,36 @@ class DataConfig:
     val_max_tokens: int = _f(5_000_000, "lm: at most this many tokens held out by data.val_fraction",
                              min=0)
     prepare_workers: int = _f(0, "processes that encode the data; 0 = the available cores", min=0)
+    chat_format: str = _f("auto", "chat: record format; auto = from each record's keys (messages, "
+                          "conversations, instruction, prompt)",
+                          choices=["auto", "messages", "sharegpt", "alpaca", "prompt_completion"])
+    messages_field: str = _f("", "chat: field with the list of turns; empty = 'messages' (messages format) or "
+                             "'conversations' (sharegpt)")
+    prompt_field: str = _f("", "chat: field with the prompt; empty = 'instruction' (alpaca) or 'prompt' "
+                           "(prompt_completion)")
+    input_field: str = _f("", "chat: alpaca's optional extra input, appended to the prompt; empty = 'input'")
+    completion_field: str = _f("", "chat: field with the reply; empty = 'output' (alpaca) or 'completion' "
+                               "(prompt_completion)")
+    system_field: str = _f("", "chat: optional field with a system message (alpaca, prompt_completion); "
+                           "empty = 'system'")
+    train_on: str = _f("assistant", "chat: tokens that are training targets: every assistant message and its "
+                       "end-of-turn token, only the last assistant message, or all tokens",
+                       choices=["assistant", "last", "all"])
+    truncation: str = _f("turns", "chat: a conversation longer than model.block_size drops whole turns from "
+                         "the end (the system message stays; a first exchange that is too long is cut on the "
+                         "right), or is cut on the right", choices=["turns", "right"])
+    packing: bool = _f(True, "chat: pack whole conversations into rows of model.block_size tokens (each "
+                       "attends only to itself); train.global_batch_size then counts rows. Off: one "
+                       "conversation per row, padded per micro-batch, length-grouped")
+
+
+@dataclass
+class LoraSettings:
+    r: int = _f(0, "LoRA rank; 0 = off (full fine-tuning)", min=0, max=4096)
+    alpha: float = _f(16.0, "LoRA scaling numerator (the update is scaled by alpha / r)", min=0.0)
+    dropout: float = _f(0.05, "dropout on the LoRA branch's input", min=0.0, max=0.9)
+    target_modules: list = _f(None, "module names to adapt (e.g. c_attn,c_proj or q_proj,v_proj); empty = every "
+                              "linear layer but the output head (peft's all-linear)", factory=list)
 
 
 @dataclass
@@ -94,6 +124,8 @@ class ModelConfig:
     block_size: int = _f(128, "lm: tokens per training sequence (context length)", min=8, max=1_000_000)
     dropout: float = _f(0.0, "dropout probability (masks are seeded per micro-batch, so runs stay "
                         "identical across world sizes)", min=0.0, max=0.9)
+    lora: LoraSettings = _f(None, "chat: low-rank adapters through peft (only they train; the base stays frozen)",
+                            factory=LoraSettings)
 
 
 @dataclass
@@ -209,6 +241,9 @@ class Config:
 TRAINING_RELEVANT = ("task", "data.train", "data.validation", "data.val_fraction", "data.val_max_tokens",
                      "data.tokenizer_sample_mb", "data.format",
                      "data.text_field", "data.text_pair_field", "data.label_field", "data.labels",
+                     "data.chat_format", "data.messages_field", "data.prompt_field", "data.input_field",
+                     "data.completion_field", "data.system_field", "data.train_on", "data.truncation",
+                     "data.packing",
                      "data.tokenizer", "data.vocab_size", "data.max_length", "data.group_by_length",
                      "model", "train.global_batch_size", "train.lr", "train.min_lr_ratio",
                      "train.warmup_steps", "train.weight_decay", "train.beta1", "train.beta2",

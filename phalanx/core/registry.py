@@ -27,10 +27,13 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
              ("eval/loss", "eval/ppl"), ("generate",), True),
     TaskSpec("classify", "phalanx.tasks.classify:ClassifyTask", "text (or text-pair) classification",
              ("eval/loss", "eval/accuracy", "eval/macro_f1"), ("predict",), False),
+    TaskSpec("chat", "phalanx.tasks.chat:ChatTask", "supervised fine-tuning of a causal LM on conversations",
+             ("eval/loss", "eval/ppl", "eval/token_accuracy"), ("generate", "chat"), True),
 )}
 
 # Every command that uses a finished run, and what it does (for the error naming the right one).
-RUN_COMMANDS = {"generate": "samples text from a language model", "predict": "labels texts with a classifier"}
+RUN_COMMANDS = {"generate": "samples text from a language model", "predict": "labels texts with a classifier",
+                "chat": "talks with a chat model"}
 
 
 def task_spec(name: str) -> TaskSpec:

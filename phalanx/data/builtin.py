@@ -34,3 +34,57 @@ def stdlib_docstrings(max_chars: int = MAX_CHARS) -> tuple[str, ...]:
         if total >= max_chars:
             break
     return tuple(docs)
+
+
+SYSTEM = "You answer questions about the Python standard library in one short paragraph."
+QUESTIONS = ("What does `{}` do?", "Explain `{}` briefly.", "What is `{}` for?")
+
+
+def _first_paragraph(doc: str, limit: int = 400) -> str:
+    text = " ".join(doc.strip().split("\n\n")[0].split())
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def _documented(tree: ast.Module, module: str):
+    """(qualified name, first paragraph) of the module's top-level functions and classes and their methods."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+            doc = ast.get_docstring(node)
+            if doc and len(doc) >= 80:
+                yield f"{module}.{node.name}", _first_paragraph(doc)
+            if isinstance(node, ast.ClassDef):
+                for sub in node.body:
+                    doc = ast.get_docstring(sub) if isinstance(sub, ast.FunctionDef) else None
+                    if doc and len(doc) >= 80 and not sub.name.startswith("_"):
+                        yield f"{module}.{node.name}.{sub.name}", _first_paragraph(doc)
+
+
+@lru_cache(maxsize=1)
+def stdlib_conversations(max_chars: int = MAX_CHARS // 2) -> tuple[dict, ...]:
+    """Question/answer conversations (messages format) made from the standard library's docstrings: the
+    built-in chat data set. Pairs of names from one module make two-turn conversations; every third one
+    has a system message. Deterministic for a given Python installation, offline."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts or "idlelib" in path.parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        items = list(_documented(tree, module))
+        for i in range(0, len(items) - 1, 2):
+            (a, answer_a), (b, answer_b) = items[i], items[i + 1]
+            n = len(out)
+            messages = [{"role": "system", "content": SYSTEM}] if n % 3 == 0 else []
+            messages += [{"role": "user", "content": QUESTIONS[n % 3].format(a)},
+                         {"role": "assistant", "content": answer_a},
+                         {"role": "user", "content": f"And `{b}`?"},
+                         {"role": "assistant", "content": answer_b}]
+            out.append({"messages": messages})
+            total += len(answer_a) + len(answer_b)
+        if total >= max_chars:
+            break
+    return tuple(out)

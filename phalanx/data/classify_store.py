@@ -194,20 +194,5 @@ def _first_seen(folder: Path, records: list[dict], rows: int) -> list[tuple]:
 
 
 def locate(record: dict, k: int) -> str:
-    """'data file X line L' (JSON Lines) or '... row R' for row k of a shard (counted only for messages)."""
-    source, (start, _) = record["source"], record["range"]
-    if record["kind"] == "jsonl":
-        line, seen = pieces.line_of(source, start), -1
-        with open(source, "rb") as f:
-            f.seek(start)
-            for offset, text in enumerate(f):
-                seen += bool(text.strip())
-                if seen == k:
-                    return f"data file '{source}' line {line + offset}"
-    if record["kind"] == "parquet":
-        import pyarrow.parquet as pq  # lazy: only Parquet inputs need it
-
-        meta = pq.ParquetFile(source).metadata
-        start = sum(meta.row_group(g).num_rows for g in range(start))
-    kind = "data" if source.startswith("hf:") else "data file"
-    return f"{kind} '{source}' row {start + k + 1}"
+    """Where row k of a shard came from (counted only for messages)."""
+    return pieces.locate(record["source"], record["kind"], record["range"][0], k)

@@ -27,7 +27,7 @@ from phalanx.data.cache import fingerprint
 from phalanx.data.sources import Split, file_identity, files_of, format_of
 
 WINDOW = 1 << 16
-Fields = tuple  # ((name, 'text' | 'label'), ...): what each row must hold
+Fields = tuple  # ((name, 'text' | 'label'), ...): what each row must hold; ("", "record") = the whole row
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark: what Windows tools write at the start of a text file
 # Files users mistake for text: their signature, what they are, and the command that undoes it.
 NOT_TEXT = ((b"\x1f\x8b", "gzip-compressed", "gunzip"), (b"\x28\xb5\x2f\xfd", "zstd-compressed", "unzstd"),
@@ -162,7 +162,7 @@ def _doc_pieces(name: str, items: Iterator[tuple], piece_bytes: int) -> Iterator
     batch, size, row = [], 0, 0
     for item in items:
         batch.append(item)
-        size += sum(len(v.encode("utf-8")) for v in item if isinstance(v, str))
+        size += sum(map(value_bytes, item))
         if size >= piece_bytes:
             yield Piece("docs", name, row, row + len(batch), size, fingerprint(name, *batch), docs=tuple(batch))
             row, batch, size = row + len(batch), [], 0
@@ -175,7 +175,9 @@ def plan(split: Split, fmt: str, fields: Fields, piece_bytes: int) -> Iterator[P
     pairs each row must have, kind 'text' or 'label' (plain text files have no fields)."""
     spec = split.spec
     if not spec:
-        yield from _doc_pieces("builtin", ((doc,) for doc in builtin.stdlib_docstrings()), piece_bytes)
+        whole = columns(fields) is None  # a whole-row format reads the built-in conversations
+        items = builtin.stdlib_conversations() if whole else builtin.stdlib_docstrings()
+        yield from _doc_pieces("builtin", ((item,) for item in items), piece_bytes)
         return
     if spec.startswith("hf:"):
         yield from _doc_pieces(spec, hub_rows(spec, fields, split.name), piece_bytes)
@@ -184,14 +186,41 @@ def plan(split: Split, fmt: str, fields: Fields, piece_bytes: int) -> Iterator[P
         kind = format_of(path, fmt)
         if path.stat().st_size == 0:
             raise ConfigError(f"data file '{path}': no rows (empty file)")
-        if kind == "text" and len(fields) > 1:
-            raise ConfigError(f"data file '{path}': plain text has no fields "
-                              f"({', '.join(n for n, _ in fields)}); use JSON Lines, CSV or Parquet")
+        if kind == "text" and (len(fields) > 1 or columns(fields) is None):
+            wanted = ", ".join(n for n, _ in fields if n) or "records"
+            raise ConfigError(f"data file '{path}': plain text has no fields ({wanted}); use JSON Lines, CSV "
+                              f"or Parquet")
         if kind == "csv":
             content_start(path, kind)
             yield from _doc_pieces(str(path), csv_rows(path, fields), piece_bytes)
         else:
             yield from _file_pieces(path, kind, fields, piece_bytes)
+
+
+def columns(fields: Fields) -> list[str] | None:
+    """The columns a reader needs: the fields' names, or None (all of them) for a whole-row format."""
+    return None if any(kind == "record" for _, kind in fields) else [n for n, _ in fields]
+
+
+def value_bytes(value) -> int:
+    """Input bytes a row's value stands for (piece sizes, progress): text as UTF-8, a nested record as JSON."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8"))
+    if isinstance(value, (dict, list)):
+        return len(json.dumps(value, ensure_ascii=False).encode("utf-8"))
+    return 0
+
+
+def texts_of(value, kind: str) -> list[str]:
+    """The text a row's value holds, for training a tokenizer: a text field, or every string of a record."""
+    if kind == "text":
+        return [value]
+    if kind != "record":
+        return []
+    if isinstance(value, str):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return [t for item in items for t in texts_of(item, "record")]
 
 
 def plan_size(split: Split) -> int:
@@ -213,6 +242,25 @@ def line_of(path: str, offset: int) -> int:
             count += block.count(b"\n")
             done += len(block)
     return count
+
+
+def locate(source: str, kind: str, start: int, k: int) -> str:
+    """'data file X line L' (JSON Lines) or '... row R' for row k of the piece (source, kind, start)."""
+    if kind == "jsonl":
+        line, seen = line_of(source, start), -1
+        with open(source, "rb") as f:
+            f.seek(start)
+            for offset, text in enumerate(f):
+                seen += bool(text.strip())
+                if seen == k:
+                    return f"data file '{source}' line {line + offset}"
+    if kind == "parquet":
+        import pyarrow.parquet as pq  # lazy: only Parquet inputs need it
+
+        meta = pq.ParquetFile(source).metadata
+        start = sum(meta.row_group(g).num_rows for g in range(start))
+    where = "data" if source.startswith("hf:") or source == "builtin" else "data file"
+    return f"{where} '{source}' row {start + k + 1}"
 
 
 def read_bytes(path: str, start: int, end: int) -> bytes:
@@ -271,6 +319,9 @@ def values_of(row, fields: Fields, where) -> tuple:
         raise ConfigError(f"{where()}: expected a JSON object, got {type(row).__name__}")
     out = []
     for name, kind in fields:
+        if kind == "record":  # the whole row; its format checks it (e.g. a conversation)
+            out.append(row)
+            continue
         if name not in row:
             raise ConfigError(f"{where()}: missing field '{name}' (fields: {', '.join(sorted(map(str, row)))[:200]})")
         value = row[name]
@@ -288,7 +339,7 @@ def rows(piece: Piece, fields: Fields, batch_bytes: int = 1 << 20) -> Iterator[t
     if piece.kind == "docs":
         for lo in range(0, len(piece.docs), 4096):
             batch = list(piece.docs[lo:lo + 4096])
-            yield batch, sum(len(v) for item in batch for v in item if isinstance(v, str))
+            yield batch, sum(value_bytes(v) for item in batch for v in item)
     elif piece.kind == "jsonl":
         yield from _jsonl_batches(piece, fields, batch_bytes)
     else:
@@ -324,7 +375,7 @@ def _parquet_rows(piece: Piece, fields: Fields) -> Iterator[tuple[list[tuple], i
 def _row_group(pf, g: int, fields: Fields, path: str, row: int) -> Iterator[tuple]:
     """(batch, its rows as dicts) of row group g; damage found while reading (a corrupt page, bad
     UTF-8) is a ConfigError naming the row group or row: in a pool worker as in the launcher."""
-    batches = pf.iter_batches(batch_size=4096, row_groups=[g], columns=[n for n, _ in fields])
+    batches = pf.iter_batches(batch_size=4096, row_groups=[g], columns=columns(fields))
     while True:
         try:
             batch = next(batches, None)
@@ -343,7 +394,7 @@ def _row_group(pf, g: int, fields: Fields, path: str, row: int) -> Iterator[tupl
 def _bad_utf8_row(batch, fields: Fields, path: str, row: int) -> str:
     import pyarrow as pa
 
-    for name, _ in fields:
+    for name in columns(fields) or batch.schema.names:
         for i, value in enumerate(batch.column(name).cast(pa.binary()).to_pylist()):
             try:
                 (value or b"").decode("utf-8")
@@ -353,7 +404,7 @@ def _bad_utf8_row(batch, fields: Fields, path: str, row: int) -> str:
 
 
 def _check_columns(schema, fields: Fields, path) -> None:
-    for name, _ in fields:
+    for name in columns(fields) or ():
         if name not in schema.names:
             raise ConfigError(f"data file '{path}': missing field '{name}' (fields: {', '.join(schema.names)[:200]})")
 
@@ -366,13 +417,15 @@ def csv_rows(path: Path, fields: Fields) -> Iterator[tuple]:
 
     texts = {name: pa.string() for name, kind in fields if kind == "text"}
     try:
+        if columns(fields) is None:  # a whole-row format: every column is text
+            texts = {name: pa.string() for name in pcsv.open_csv(path).schema.names}
         # one thread: pyarrow's messages then carry the row number ('Row #N', the header is row 1)
         reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=1 << 22, use_threads=False),
                                convert_options=pcsv.ConvertOptions(column_types=texts))
         _check_columns(reader.schema, fields, path)
         row = 0
         for batch in reader:
-            for r in batch.select([n for n, _ in fields]).to_pylist():
+            for r in (batch.select(columns(fields)) if columns(fields) is not None else batch).to_pylist():
                 row += 1
                 yield values_of(r, fields, lambda row=row: f"data file '{path}' row {row}")
     except ConfigError:

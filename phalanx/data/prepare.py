@@ -45,6 +45,10 @@ class RecordFormat:
     needs = "eos_token"    # the special token the tokenizer must have; its id goes in the index (eos_id)
     token_arrays: dict = {"ids": None}  # per-token arrays: name -> dtype (None: store.token_dtype of the vocabulary)
     row_arrays: dict = {}  # per-row arrays: name -> dtype; with 'lengths' the rows are ragged (offsets.npy)
+    tokenizer_variant = ""  # non-empty: the format changes the tokenizer (adapt_tokenizer), so it has its own folder
+
+    def adapt_tokenizer(self, folder: Path) -> None:
+        """Change the tokenizer saved in `folder` before anything encodes with it (chat: add a template)."""
 
     def fields(self, cfg: Config) -> pieces.Fields:
         """The (name, 'text' | 'label') fields each row must have."""
@@ -87,6 +91,8 @@ def tokenizer_folder(cfg: Config, fmt: RecordFormat) -> Path:
     else:
         fp = cache.fingerprint("trained-tokenizer-v3", fmt.tokenizer, d.vocab_size, d.tokenizer_sample_mb,
                                d.val_fraction, d.format, fmt.fields(cfg), source_identity(splits(cfg)[0], d.format))
+    if fmt.tokenizer_variant:
+        fp = cache.fingerprint(fp, fmt.tokenizer_variant)
     return cache.cache_root(d.cache_dir) / f"tokenizer-{fp}"
 
 
@@ -107,10 +113,11 @@ def prepare_tokenizer(cfg: Config, fmt: RecordFormat, say) -> Path:
         else:
             t0 = time.perf_counter()
             rows = sample_rows(cfg, fields, int(d.tokenizer_sample_mb * (1 << 20)))
-            texts = [row[i] for row in rows for i, (_, k) in enumerate(fields) if k == "text"]
+            texts = [t for row in rows for i, (_, k) in enumerate(fields) for t in pieces.texts_of(row[i], k)]
             toks.save_trained(TRAINERS[fmt.tokenizer](texts, d.vocab_size), fmt.tokenizer, tmp)
             say(f"phalanx: trained a {d.vocab_size}-token {fmt.tokenizer} tokenizer on "
                 f"{sum(map(len, texts)) / 1e6:.1f} MB of sampled text in {time.perf_counter() - t0:.1f} s")
+        fmt.adapt_tokenizer(tmp)
         if toks.special_id(tmp, fmt.needs) is None:
             raise ConfigError(f"tokenizer '{spec}': has no {fmt.needs.replace('_', ' ')}")
 

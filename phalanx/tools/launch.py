@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import psutil
+import torch
 import torch.distributed.run as trun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -43,6 +44,7 @@ from phalanx.core.runfolder import (
     read_json,
 )
 from phalanx.model import precision
+from phalanx.model.lora import base_identity
 from phalanx.run.checkpoint import CheckpointError, check_safe, read_meta, resolve_resume
 from phalanx.run.watchdog import summarize
 from phalanx.run.worker import serve
@@ -86,7 +88,9 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
     lo, hi = parse_nnodes(nnodes)
     for n in range(lo, hi + 1):  # elastic membership may settle on any node count in the range
         check_world(cfg, n * nproc_per_node)
-    problem = dist.check_backend(dist.pick_backend(cfg.dist.backend))
+    backend = dist.pick_backend(cfg.dist.backend)
+    problem = dist.check_backend(backend) or dist.check_gpu_count(
+        backend, nproc_per_node, torch.cuda.device_count() if backend == "nccl" else 0)
     if problem:
         raise ConfigError(problem)
     check_hardware(cfg)
@@ -105,6 +109,10 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
         if changed:
             raise ConfigError(f"checkpoint '{path}' was made with different training settings: "
                               f"{', '.join(changed)}; use --fresh to start over or --force-resume")
+    if meta and "base_model" in meta and meta["base_model"] != base_identity(cfg.model.pretrained) \
+            and (not force_resume or cfg.model.lora.r):  # adapters only make sense on their own base
+        raise ConfigError(f"checkpoint '{path}' was trained from another base model than model.pretrained="
+                          f"'{cfg.model.pretrained}' (its files differ); use --fresh to start over")
 
 
 def check_hardware(cfg: Config) -> None:

@@ -1,0 +1,53 @@
+"""Low-rank adapters (LoRA) through peft, and the pieces a fine-tuned model needs around them.
+
+Only the adapters (and the embedding rows of tokens added for the chat template, as peft's trainable
+tokens) require gradients, so DDP reduces only them and AdamW keeps state only for them; checkpoints then
+hold just what trains (run/stateful.ModelState with trainable_only). The export merges the adapters into
+the base for RUN/final and saves the adapter itself to RUN/final/adapter.
+"""
+from __future__ import annotations
+
+import hashlib
+import warnings
+from pathlib import Path
+
+from torch import nn
+
+from phalanx.core.config import LoraSettings, hub_name
+
+
+def apply_lora(model: nn.Module, lora: LoraSettings, new_token_ids: list[int]) -> nn.Module:
+    """`model` wrapped by peft with LoRA on `lora.target_modules` (all linear layers but the head when
+    empty); `new_token_ids` (tokens added for the chat template) train as peft's trainable tokens."""
+    from peft import LoraConfig, get_peft_model  # lazy: only runs with model.lora.r > 0 import peft
+
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules) or "all-linear",
+                        trainable_token_indices=list(new_token_ids) or None, task_type="CAUSAL_LM")
+    with warnings.catch_warnings():  # GPT-2's Conv1D: peft sets fan_in_fan_out itself and says so
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        return get_peft_model(model, config)
+
+
+def is_lora(model: nn.Module) -> bool:
+    return hasattr(model, "merge_and_unload") and hasattr(model, "peft_config")
+
+
+def trainable_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def base_identity(spec: str) -> str:
+    """What the pretrained base model is, cheaply: its files' names, sizes and modification times (a hub
+    name as given). A checkpoint of adapters records it, so resuming onto another base is refused."""
+    if not spec:
+        return ""
+    folder = Path(hub_name(spec))
+    if not folder.is_dir():
+        return spec
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".bin")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()[:16]

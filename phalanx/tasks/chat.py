@@ -1,0 +1,192 @@
+"""Chat: supervised fine-tuning of a causal LM on conversations (`task: chat`).
+
+The loss is the sum over supervised tokens (assistant replies and their end-of-turn tokens, by default)
+divided by the all-reduced count of supervised tokens of the whole global batch — the loop's rule for
+every task — so gradient accumulation and N processes make the same update as one process. Padding,
+system, user and role-header tokens are never in the count.
+
+A sample is a packed row (whole conversations, each attending only to itself: position ids restart and
+a block-diagonal causal mask goes to SDPA; pad slots are a segment of their own, since a fully masked row
+would give NaN) or, with data.packing=false, one conversation padded per micro-batch.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from phalanx.core.config import Config, ConfigError, hub_name
+from phalanx.data import chat_store, prepare
+from phalanx.data import tokenizer as toks
+from phalanx.data.sample import check_sample
+from phalanx.data.samplers import length_grouped_order, shuffled_order
+from phalanx.model.build import build_causal_lm
+from phalanx.model.lora import apply_lora, is_lora
+from phalanx.tasks.base import TaskBase
+
+IGNORE = -100
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def collate_rows(samples: list[list[tuple[np.ndarray, np.ndarray]]], width: int, pad_id: int,
+                 confine: bool = True) -> dict:
+    """Rows of whole conversations, `width` tokens each. Token t's label is token t+1 of the same
+    conversation where the mask marks it a target, else -100. Each conversation gets position ids from 0
+    and attends causally to itself only (`confine=False` drops that: the negative control of the tests)."""
+    b = len(samples)
+    ids = np.full((b, width), pad_id, dtype=np.int64)
+    labels = np.full((b, width), IGNORE, dtype=np.int64)
+    positions = np.zeros((b, width), dtype=np.int64)
+    segment = np.zeros((b, width), dtype=np.int64)
+    real = 0
+    for r, segments in enumerate(samples):
+        t = 0
+        for k, (x, m) in enumerate(segments):
+            n = len(x)
+            ids[r, t:t + n], positions[r, t:t + n], segment[r, t:t + n] = x, np.arange(n), k
+            labels[r, t:t + n - 1] = np.where(m[1:], x[1:], IGNORE)
+            t += n
+        positions[r, t:], segment[r, t:] = np.arange(width - t), len(segments)  # pad: a segment of its own
+        real += t
+    causal = np.tril(np.ones((width, width), dtype=bool))
+    if confine:
+        mask = (segment[:, :, None] == segment[:, None, :]) & causal
+    else:
+        mask, positions = np.broadcast_to(causal, (b, width, width)), np.broadcast_to(np.arange(width), (b, width))
+    return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(np.ascontiguousarray(positions)),
+            "attention_mask": torch.from_numpy(np.ascontiguousarray(mask[:, None])), "real_tokens": real}
+
+
+def base_positions(cfg: Config) -> int | None:
+    """Positions the pretrained base model has (None: from scratch, or unknown without loading it)."""
+    if not cfg.model.pretrained:
+        return None
+    config = Path(hub_name(cfg.model.pretrained)) / "config.json"
+    if not config.is_file():
+        return None
+    raw = json.loads(config.read_text(encoding="utf-8"))
+    return raw.get("n_positions") or raw.get("max_position_embeddings")
+
+
+class ChatTask(TaskBase):
+    name = "chat"
+    ARCHS = ("gpt2", "llama")
+    AUTO_MODEL = "AutoModelForCausalLM"
+    FORMAT = chat_store.CHAT
+
+    def __init__(self, cfg: Config, info):
+        super().__init__(cfg, info)
+        self.data: chat_store.ChatData | None = None
+        self.base_vocab = 0
+
+    # ---- in the launcher ------------------------------------------------------------------------
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        super().check_config(cfg)
+        positions, bs = base_positions(cfg), cfg.model.block_size
+        if positions and bs > positions:
+            raise ConfigError(f"config key 'model.block_size': {bs} is more than the {positions} positions of "
+                              f"'{cfg.model.pretrained}'; lower it to {positions} or less")
+        if cfg.model.lora.r and cfg.train.strategy == "fsdp":
+            raise ConfigError("config key 'model.lora.r': LoRA runs with train.strategy=ddp (its adapters are small: "
+                              "there is nothing to shard); use ddp, or full fine-tuning (model.lora.r=0) with fsdp")
+
+    @staticmethod
+    def preflight(cfg: Config) -> None:
+        check_sample(cfg, chat_store.CHAT.fields(cfg))
+
+    @staticmethod
+    def prepare_data(cfg: Config, workers: int = 0, progress: bool = True) -> dict:
+        summaries = prepare.prepare(cfg, chat_store.CHAT, workers, progress)
+        data = prepare.open_prepared(cfg, chat_store.CHAT)
+        if len(data.train) == 0:
+            raise ConfigError(f"config key 'data.train': every conversation of '{cfg.data.train or 'built-in data'}' "
+                              f"is held out for validation; add conversations or lower data.val_fraction")
+        return summaries
+
+    @staticmethod
+    def sequence_length(cfg: Config) -> int:
+        return cfg.model.block_size
+
+    # ---- in every worker ------------------------------------------------------------------------
+    def open_data(self) -> None:
+        cfg = self.cfg
+        self.data = prepare.open_or_prepare(cfg, chat_store.CHAT, self.info.is_local_main, cfg.dist.startup_timeout_s)
+        self.tokenizer = toks.load_saved(self.data.tokenizer_dir)
+        self.train_set, self.val_set = self.data.train, self.data.validation
+
+    def train_order(self, data_order: int):
+        t = self.cfg.train
+        if self.train_set.lengths is None:  # packed rows: all as wide
+            return shuffled_order(len(self.train_set), lazy=True)
+        return length_grouped_order(self.train_set.lengths, t.micro_batch_size, unit=t.global_batch_size)
+
+    def build_model(self) -> torch.nn.Module:
+        model = build_causal_lm(self.cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id)
+        self.base_vocab = model.get_input_embeddings().weight.shape[0]
+        if len(self.tokenizer) > self.base_vocab:  # the chat template's tokens (a base model without one)
+            model.resize_token_embeddings(len(self.tokenizer), mean_resizing=True)
+        if self.cfg.model.lora.r:
+            model = apply_lora(model, self.cfg.model.lora, list(range(self.base_vocab, len(self.tokenizer))))
+        return model
+
+    def collate(self, dataset: chat_store.ChatSet, indices) -> dict:
+        samples = [dataset.segments(int(i)) for i in indices]
+        width = self.cfg.model.block_size if dataset.lengths is None else \
+            max((sum(len(x) for x, _ in s) for s in samples), default=1)
+        return collate_rows(samples, width, self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
+
+    def target_count(self, batch: dict) -> int:
+        return int((batch["labels"] != IGNORE).sum())
+
+    def useful_tokens(self, batch: dict) -> int:
+        return int(batch["real_tokens"])
+
+    def logits(self, model, batch: dict) -> torch.Tensor:
+        return model(**{k: batch[k] for k in MODEL_INPUTS}, use_cache=False).logits
+
+    def loss_sum(self, model, batch: dict) -> torch.Tensor:
+        return F.cross_entropy(self.logits(model, batch).float().flatten(0, 1), batch["labels"].flatten(),
+                               ignore_index=IGNORE, reduction="sum")
+
+    # ---- evaluation -----------------------------------------------------------------------------
+    def eval_sums(self, model, batch: dict) -> list[float]:
+        """[loss sum, supervised tokens, correct argmax predictions, samples]: additive across ranks."""
+        logits, labels = self.logits(model, batch).float(), batch["labels"]
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        target = labels != IGNORE
+        correct = (logits.argmax(-1) == labels) & target
+        return [float(loss), float(target.sum()), float(correct.sum()), float(labels.shape[0])]
+
+    def eval_metrics(self, sums: list[float]) -> dict:
+        loss_sum, tokens, correct, samples = sums
+        loss = loss_sum / max(tokens, 1)
+        return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0)), "eval/token_accuracy": correct / max(tokens, 1),
+                "eval/tokens": int(tokens), "eval/samples": int(samples)}
+
+    # ---- outputs --------------------------------------------------------------------------------
+    def export(self, model, out, write) -> None:
+        """RUN/final: the model (LoRA: merged into the base) with the tokenizer and its chat template, and a
+        generation config that stops at the end of the assistant's turn; LoRA's adapter in final/adapter."""
+        stops = [*self.data.end_of_turn, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])]
+        if is_lora(model):
+            if self.info.is_main:
+                model.save_pretrained(Path(out) / "adapter")
+            model = model.merge_and_unload()
+        model.generation_config.eos_token_id = list(dict.fromkeys(stops))
+        model.generation_config.pad_token_id = self.tokenizer.pad_token_id or self.tokenizer.eos_token_id
+        write(model, self.tokenizer, out)
+
+    def next_commands(self, run_dir) -> list[str]:
+        return [*super().next_commands(run_dir), f'phalanx chat {run_dir}']
+
+    def summary_extra(self) -> dict:
+        s = self.data.summary
+        keys = ("documents", "dropped", "supervised_tokens", "packing_efficiency", "packed_rows")
+        return {"train_samples": len(self.train_set), "val_samples": len(self.val_set), "vocab_size": len(self.tokenizer),
+                **{f"data_{k}": s[k] for k in keys if k in s}}

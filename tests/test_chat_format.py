@@ -1,0 +1,242 @@
+"""Chat data in-process: record formats, rendering and the loss mask, truncation, packing, and the
+attention confinement of packed rows (packed == each conversation alone, with its negative control)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import SHAKESPEARE
+
+from phalanx.core.errors import ConfigError
+from phalanx.data import conversations as cv
+from phalanx.data import tokenizer as toks
+from phalanx.data.chat_store import pack
+from phalanx.tasks.chat import IGNORE, collate_rows
+
+GOLDEN = [{"role": "system", "content": "Be brief."},
+          {"role": "user", "content": "Héllo wörld — ça va?"},
+          {"role": "user", "content": ""},
+          {"role": "assistant", "content": "Très bien!"},
+          {"role": "user", "content": "More?"},
+          {"role": "assistant", "content": "No."}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import PreTrainedTokenizerFast
+
+    t = PreTrainedTokenizerFast(tokenizer_object=toks.train_bpe([SHAKESPEARE.read_text()[:200_000]], 512),
+                                **toks.SPECIALS["bpe"])
+    assert cv.ensure_template(t)
+    return t
+
+
+def fields(fmt: str, **over) -> cv.ChatFields:
+    return cv.chat_fields(fmt, over)
+
+
+# ---- formats ------------------------------------------------------------------------------------
+def test_every_format_gives_the_same_messages():
+    want = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    records = {"messages": {"messages": want},
+               "sharegpt": {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"},
+                                              {"from": "gpt", "value": "A"}]},
+               "alpaca": {"instruction": "Q", "input": "", "output": "A", "system": "S"},
+               "prompt_completion": {"prompt": "Q", "completion": "A", "system": "S"}}
+    for fmt, record in records.items():
+        assert cv.detect(record, "x") == fmt
+        assert cv.to_messages(record, fields(fmt), "x") == want, fmt
+    alpaca = cv.to_messages({"instruction": "Q", "input": "ctx", "output": "A"}, fields("alpaca"), "x")
+    assert alpaca[0] == {"role": "user", "content": "Q\n\nctx"}
+    renamed = cv.to_messages({"q": "Q", "a": "A"}, fields("prompt_completion", prompt="q", completion="a"), "x")
+    assert renamed[-1] == {"role": "assistant", "content": "A"}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Q"}]}, {"role": "assistant", "content": "A"}]}
+    assert cv.to_messages(parts, fields("messages"), "x")[0]["content"] == "Q"
+
+
+@pytest.mark.parametrize("record, fmt, message", [
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages", "field 'messages[0].role': unknown role 'robot'"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "no assistant turn"),
+    ({"messages": [{"role": "assistant", "content": 3}]}, "messages", "field 'messages[0].content' should be text"),
+    ({"messages": "hello"}, "messages", "field 'messages' should be a list of objects, got str"),
+    ({"messages": ["hello"]}, "messages", "field 'messages' should be a list of objects"),
+    ({"conversations": [{"from": "bot", "value": "x"}]}, "sharegpt", "unknown role 'bot'"),
+    ({"instruction": "x"}, "alpaca", "missing field 'output'"),
+    ({"prompt": "x", "completion": None}, "prompt_completion", "field 'completion' should be text, got NoneType"),
+])
+def test_records_that_do_not_fit_name_the_field(record, fmt, message):
+    with pytest.raises(ConfigError, match="^line 7: .*" + message.replace("[", r"\[").replace("]", r"\]")):
+        cv.to_messages(record, fields(fmt), "line 7")
+    with pytest.raises(ConfigError, match="not a conversation in a known format"):
+        cv.detect({"text": "x"}, "line 7")
+
+
+# ---- rendering and the mask ---------------------------------------------------------------------
+def test_golden_rendering_ids_and_mask(tok):
+    enc = cv.encode(tok, GOLDEN, "assistant", 1000, "turns", "x")
+    # the ids are exactly what transformers' own tokenization of the template gives (no doubled BOS)
+    assert enc.ids.tolist() == tok.apply_chat_template(GOLDEN, tokenize=True)["input_ids"]
+    text = tok.apply_chat_template(GOLDEN, tokenize=False)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHéllo wörld — ça va?<|im_end|>\n"
+                    "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\nTrès bien!<|im_end|>\n"
+                    "<|im_start|>user\nMore?<|im_end|>\n<|im_start|>assistant\nNo.<|im_end|>\n")
+    eot = tok.convert_tokens_to_ids(cv.END)
+    assert enc.end_of_turn == eot
+    # supervised: exactly each assistant reply and its end-of-turn token
+    runs, cur = [], []
+    for i, m in zip(enc.ids.tolist(), enc.mask.tolist()):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs, cur = runs + [cur], []
+    assert [tok.decode(r) for r in runs] == ["Très bien!<|im_end|>", "No.<|im_end|>"]
+    assert [r[-1] for r in runs] == [eot, eot]
+    # the transformers generation markers agree with the offsets-based mask
+    marked = tok.apply_chat_template(GOLDEN, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert np.array_equal(np.asarray(marked["assistant_masks"], dtype=bool), enc.mask)
+    last = cv.encode(tok, GOLDEN, "last", 1000, "turns", "x")
+    assert tok.decode(last.ids[last.mask]) == "No.<|im_end|>"
+    everything = cv.encode(tok, GOLDEN, "all", 1000, "turns", "x")
+    assert everything.mask[1:].all() and not everything.mask[0]
+
+
+def test_the_mask_follows_any_template(tok):
+    """A Llama-3-like template (headers, a different end-of-turn token) masks by offsets, not markers."""
+    from transformers import PreTrainedTokenizerFast
+
+    other = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, **toks.SPECIALS["bpe"])
+    other.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    other.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                           "{{ m['content'] | trim }}<|eot_id|>{% endfor %}")
+    enc = cv.encode(other, GOLDEN, "assistant", 1000, "turns", "x")
+    assert enc.ids.tolist() == other.apply_chat_template(GOLDEN, tokenize=True)["input_ids"]
+    assert other.decode(enc.ids[enc.mask]) == "Très bien!<|eot_id|>No.<|eot_id|>"
+
+
+def test_templates_that_cannot_be_masked_are_errors(tok):
+    from transformers import PreTrainedTokenizerFast
+
+    upper = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, **toks.SPECIALS["bpe"])
+    upper.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}"
+    with pytest.raises(ConfigError, match="does not render message 3's content verbatim"):
+        cv.encode(upper, GOLDEN, "assistant", 1000, "turns", "x")
+    no_end = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, **toks.SPECIALS["bpe"])
+    no_end.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(ConfigError, match="no special end-of-turn token"):
+        cv.encode(no_end, GOLDEN, "assistant", 1000, "turns", "x")
+    strict = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, **toks.SPECIALS["bpe"])
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' and loop.previtem is defined and "
+                            "loop.previtem['role'] == 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}"
+                            "{{ m['content'] }}{% endfor %}")
+    with pytest.raises(ConfigError, match="x: the chat template refused this conversation.*roles must alternate"):
+        cv.encode(strict, GOLDEN, "assistant", 1000, "turns", "x")
+
+
+def test_truncation(tok):
+    full = len(cv.encode(tok, GOLDEN, "assistant", 1000, "turns", "x").ids)
+    first = len(tok.apply_chat_template(GOLDEN[:4], tokenize=True)["input_ids"])
+    turns = cv.encode(tok, GOLDEN, "assistant", full - 1, "turns", "x")
+    assert len(turns.ids) == first and tok.decode(turns.ids[turns.mask]) == "Très bien!<|im_end|>"  # last turn dropped
+    right = cv.encode(tok, GOLDEN, "assistant", full - 3, "right", "x")
+    assert len(right.ids) == full - 3 and tok.decode(right.ids[right.mask]).startswith("Très bien!<|im_end|>")
+    cut = cv.encode(tok, GOLDEN, "assistant", first - 2, "turns", "x")  # first exchange too long: cut on the right
+    assert len(cut.ids) == first - 2 and tok.decode(cut.ids[cut.mask]) in "Très bien!"
+    assert cv.encode(tok, GOLDEN, "assistant", 20, "turns", "x") is None  # nothing left to learn: dropped
+
+
+# ---- packing -------------------------------------------------------------------------------------
+def test_best_fit_packing_keeps_conversations_whole_and_is_deterministic():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 65, size=500)
+    order, offsets = pack(lengths, 64)
+    assert sorted(order.tolist()) == list(range(500))  # every conversation exactly once
+    rows = [order[a:b] for a, b in zip(offsets, offsets[1:])]
+    assert all(lengths[r].sum() <= 64 for r in rows)
+    fill = np.array([lengths[r].sum() for r in rows])
+    assert (fill <= 32).sum() <= 1  # no two rows could be merged: at most one is half empty
+    assert len(rows) < 1.1 * lengths.sum() / 64
+    again = pack(lengths.copy(), 64)
+    assert np.array_equal(again[0], order) and np.array_equal(again[1], offsets)
+    shifted, _ = pack(lengths, 64, first=1000)
+    assert np.array_equal(shifted, order + 1000)
+    with pytest.raises(ValueError):
+        pack(np.array([65]), 64)
+
+
+# ---- packed rows attend within a conversation --------------------------------------------------
+def _model(arch: str):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=520, n_positions=128, n_embd=32, n_layer=2, n_head=2)).eval()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=520, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2,
+                                        max_position_embeddings=128)).eval()
+
+
+def _conversations(tok):
+    convs = [GOLDEN[:4], [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}],
+             [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "One two three"}]]
+    return [(e.ids, e.mask) for e in (cv.encode(tok, c, "assistant", 64, "turns", "x") for c in convs)]
+
+
+def _loss_per_conversation(model, batch, spans) -> tuple[list[torch.Tensor], torch.Tensor]:
+    logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}, use_cache=False).logits
+    per_token = F.cross_entropy(logits.float()[0], batch["labels"][0], ignore_index=IGNORE, reduction="none")
+    return [per_token[a:b].sum() for a, b in spans], per_token.sum()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_packed_equals_each_conversation_alone(tok, arch):
+    model, convs = _model(arch), _conversations(tok)
+    width = sum(len(x) for x, _ in convs) + 5  # and a few pad slots, a segment of their own
+    spans, t = [], 0
+    for x, _ in convs:
+        spans.append((t, t + len(x)))
+        t += len(x)
+
+    def packed_run(confine: bool):
+        model.zero_grad()
+        batch = collate_rows([convs], width, 0, confine=confine)
+        losses, total = _loss_per_conversation(model, batch, spans)
+        total.backward()
+        return [float(v) for v in losses], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    alone, grads = [], None
+    model.zero_grad()
+    for conv in convs:
+        batch = collate_rows([[conv]], len(conv[0]), 0)
+        (loss,), total = _loss_per_conversation(model, batch, [(0, len(conv[0]))])
+        total.backward()
+        alone.append(float(loss))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    got, got_grads = packed_run(confine=True)
+    assert got == pytest.approx(alone, rel=1e-5, abs=1e-5)
+    for n, g in grads.items():
+        torch.testing.assert_close(got_grads[n], g, rtol=1e-5, atol=1e-5, msg=n)
+    # negative control: without the block-diagonal mask and restarting positions, conversations see each other
+    leaked, _ = packed_run(confine=False)
+    assert leaked[0] == pytest.approx(alone[0], rel=1e-5)  # the first sees nothing before it either way
+    assert any(abs(a - b) > 1e-3 for a, b in zip(leaked[1:], alone[1:]))
+
+
+def test_masked_loss_equals_a_float64_reference(tok):
+    from phalanx.tasks.chat import ChatTask
+
+    model, convs = _model("gpt2"), _conversations(tok)
+    width = max(sum(len(x) for x, _ in convs[:2]), len(convs[2][0]))
+    batch = collate_rows([convs[:2], convs[2:]], width, 0)
+    task = ChatTask.__new__(ChatTask)
+    with torch.no_grad():
+        got = task.loss_sum(model, batch) / task.target_count(batch)
+        logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}, use_cache=False).logits
+    labels = batch["labels"]
+    keep = labels != IGNORE
+    logp = torch.log_softmax(logits.double(), -1)
+    ref = -logp[keep].gather(-1, labels[keep][:, None]).sum() / keep.sum()
+    assert abs(float(got) - float(ref)) < 1e-6
+    # the count is the supervised tokens only (pads, prompts and headers are never in it)
+    assert task.target_count(batch) == sum(int(m[1:].sum()) for _, m in convs)

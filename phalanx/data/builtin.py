@@ -67,7 +67,9 @@ def stdlib_conversations(max_chars: int = MAX_CHARS // 2) -> tuple[dict, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     out, total = [], 0
     for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts or "idlelib" in path.parts:
+        parts = path.relative_to(root).parts
+        if {"site-packages", "test", "tests", "idlelib"} & set(parts) or any(
+                part.startswith("_") and part != "__init__.py" for part in parts):  # public modules only
             continue
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))

@@ -190,3 +190,21 @@ class ChatTask(TaskBase):
         keys = ("documents", "dropped", "supervised_tokens", "packing_efficiency", "packed_rows")
         return {"train_samples": len(self.train_set), "val_samples": len(self.val_set), "vocab_size": len(self.tokenizer),
                 **{f"data_{k}": s[k] for k in keys if k in s}}
+
+
+def show_examples(cfg: Config, n: int) -> str:
+    """The first `n` training conversations as the model sees them, the supervised tokens in [[...]]."""
+    data = prepare.open_prepared(cfg, chat_store.CHAT)
+    tok = toks.load_saved(data.tokenizer_dir)
+    conv = data.train.conversations
+    out = []
+    for i in range(min(n, conv.n)):
+        ids, mask = conv.conversation(i)
+        parts, start = [], 0
+        for k in range(1, len(ids) + 1):  # runs of equal mask values
+            if k == len(ids) or mask[k] != mask[start]:
+                text = tok.decode(ids[start:k].tolist())
+                parts.append(f"[[{text}]]" if mask[start] else text)
+                start = k
+        out.append(f"--- conversation {i} ({len(ids)} tokens, {int(mask.sum())} supervised)\n{''.join(parts)}")
+    return "\n".join(out)

@@ -171,3 +171,215 @@ def test_bench_contention_check_does_not_misfire_on_gpus(tmp_path):
         del r["ranks/cuda_peak_mb"]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert bench.measure(tmp_path, warmup=1, threads=8)["quiet_steps"] == 0  # on CPU it is contention
+
+
+# ---- item 8: host-device waits (counts on the host, scalars on Gloo, prefetch) ----------------------
+class IdTask:
+    """Collates a micro-batch as its sample ids; records the thread that collated it."""
+
+    def __init__(self, n):
+        self.train_set, self.threads = list(range(n)), []
+
+    def collate(self, dataset, ids):
+        import threading
+
+        import torch
+
+        self.threads.append(threading.current_thread().name)
+        return {"input_ids": torch.tensor([dataset[int(i)] for i in ids]), "tag": "host"}
+
+
+@pytest.mark.parametrize("start", [0, 40, 96])  # a fresh run and two resume offsets (one mid-epoch)
+def test_prefetched_batches_are_the_synchronous_ones_in_order(start):
+    """Across epoch boundaries (50 samples, 16 per step: steps straddle them) and from a resume offset,
+    rank 1 of 2 gets exactly the micro-batches (and ids) of the inline path, collated on the thread."""
+    import torch
+
+    from phalanx.data.samplers import GlobalBatchSampler
+    from phalanx.run.batches import BatchSource
+
+    def steps(prefetch):
+        task = IdTask(50)
+        sampler = GlobalBatchSampler(50, 16, 4, seed=3)
+        source = BatchSource(task, sampler, 1, 2, torch.device("cpu"), prefetch=prefetch)
+        try:
+            out = [source.take(start + 16 * s) for s in range(12)]
+            # a take at an offset nobody prefetched (never in the loop) is still right
+            out.append(source.take(start))
+        finally:
+            source.close()
+        return [(ids, [b["input_ids"].tolist() for b in bs]) for ids, bs in out], task.threads
+
+    inline, inline_threads = steps(False)
+    ahead, ahead_threads = steps(True)
+    assert ahead == inline
+    assert set(inline_threads) == {"MainThread"}
+    # inline only the first step and the unexpected offset (2 micro-batches each); the rest ahead on the thread
+    assert ahead_threads.count("MainThread") == 4
+    assert sum(t.startswith("phalanx-batches") for t in ahead_threads) >= 11 * 2
+    assert sum(len(b) for _, bs in inline[:-1] for b in bs) == 12 * 8  # rank 1's half of 12 batches of 16
+
+
+def test_tokens_are_counted_on_the_host_batch_before_the_copy(monkeypatch):
+    """train_step counts (target_count, batch_tokens, useful_tokens) on the host batches, and only the
+    copies it moved reach the model; the counts are the ones of the batch."""
+    import torch
+
+    from phalanx.core.config import Config
+    from phalanx.data.samplers import GlobalBatchSampler
+    from phalanx.model import precision
+    from phalanx.run import train as train_mod
+    from phalanx.run.batches import BatchSource
+    from phalanx.run.clock import StepClock
+    from phalanx.run.state import TrainState
+
+    class Task(IdTask):
+        def count(self, batch):
+            assert batch["tag"] == "host", "counted after the copy to the device"
+            return int(batch["input_ids"].numel())
+
+        target_count = batch_tokens = count
+
+        def useful_tokens(self, batch):
+            return self.count(batch) - 1
+
+        def loss_sum(self, model, batch):
+            assert batch["tag"] == "device"
+            return model(batch["input_ids"].float()[:, None]).sum()
+
+    monkeypatch.setattr(train_mod.dist, "to_device", lambda batch, device: {**batch, "tag": "device"})
+    cfg = Config()
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = 8, 4
+    info = dist.DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, attempt=0,
+                         backend="gloo", device=torch.device("cpu"))
+    task, model = Task(20), torch.nn.Linear(1, 1)
+    tr = SimpleNamespace(model=model, wrapped=model, forward=model, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+                         schedule=SimpleNamespace(apply=lambda opt, step: 0.1),
+                         autocast=precision.autocast_factory(info.device, None),
+                         scaler=precision.make_scaler(info.device, None))
+    run = SimpleNamespace(cfg=cfg, info=info, probe=lambda *a: False, clock=StepClock(),
+                          batches=BatchSource(task, GlobalBatchSampler(20, 8, 4, 0), 0, 1, info.device, False))
+    r = train_mod.train_step(run, tr, task, TrainState(), votes=(False, False))
+    assert (r.count, r.tokens, r.useful, r.local_tokens) == (8.0, 8.0, 6.0, 8)
+    assert torch.is_tensor(r.loss_sum) and r.grad_norm > 0
+
+
+def test_scalar_collectives_run_on_a_gloo_group_next_to_nccl(monkeypatch):
+    """dist.setup with NCCL makes a Gloo group (every rank, right after the default group), and the step's
+    scalars are reduced and gathered there, in host tensors, never on the GPU; with Gloo the default group
+    (already on the host) is used."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(dist.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist.torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(dist.tdist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist.tdist, "init_process_group", lambda backend, **kw: calls.append(("init", backend)))
+    monkeypatch.setattr(dist.tdist, "new_group", lambda **kw: calls.append(("new_group", kw["backend"])) or "GLOO")
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(dist.torch, "set_num_threads", lambda n: None)
+    info = dist.setup("nccl", timeout_s=5, threads=1, tune_malloc=False)
+    assert calls == [("init", "nccl"), ("new_group", "gloo")]
+    assert info.device == torch.device("cuda", 1) and info.scalar_group == "GLOO"
+
+    seen = []
+
+    def all_reduce(t, op=None, group=None):
+        seen.append((t.device.type, group))
+
+    def all_gather(out, t, group=None):
+        seen.append((t.device.type, group))
+        for o in out:
+            o.copy_(t)
+
+    monkeypatch.setattr(dist.tdist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist.tdist, "all_gather", all_gather)
+    assert dist.all_reduce([1.0, 2.0], info) == [1.0, 2.0]
+    assert dist.all_gather_floats([3.0], info) == [[3.0], [3.0]]
+    assert seen == [("cpu", "GLOO"), ("cpu", "GLOO")]
+    gloo = dist.DistInfo(rank=0, world_size=2, local_rank=0, local_world_size=2, node_rank=0, attempt=0,
+                         backend="gloo", device=torch.device("cpu"))
+    dist.all_reduce([1.0], gloo)
+    assert seen[-1] == ("cpu", None)  # the default group
+
+
+# ---- wirings: train.tf32, the launcher's GPU count ------------------------------------------------
+@pytest.fixture
+def tf32_flags():
+    import torch
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_tf32_is_applied_on_cuda_only(tf32_flags):
+    import torch
+
+    from phalanx.model.precision import set_tf32
+
+    assert set_tf32(True, "cuda") is True
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert torch.get_float32_matmul_precision() == "high"
+    assert set_tf32(False, "cuda") is False
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    mkldnn = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.cuda.matmul.allow_tf32 = True
+    assert set_tf32(False, "cpu") is None and torch.backends.cuda.matmul.allow_tf32  # CPU: untouched
+    assert torch.backends.mkldnn.matmul.fp32_precision == mkldnn
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_the_worker_applies_train_tf32_and_says_it(tf32_flags, tf32):
+    """build_trainee (every worker, before the model's first matmul) applies train.tf32 on a CUDA device,
+    and the start line says it. The 'GPU' is the CPU here: the model's .to() is a no-op."""
+    import torch
+
+    from phalanx.core.config import Config
+    from phalanx.run import train as train_mod
+
+    class Model(torch.nn.Linear):
+        def to(self, *args, **kwargs):
+            return self
+
+    cfg = Config()
+    cfg.train.tf32, cfg.train.precision, cfg.train.optimizer_impl = tf32, "fp32", "foreach"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
+    info = dist.DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, attempt=0,
+                         backend="nccl", device=torch.device("cuda", 0))
+    tr = train_mod.build_trainee(cfg, info, SimpleNamespace(build_model=lambda: Model(2, 2)))
+    assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
+    assert train_mod._start_line(cfg, info, tr, 1).endswith(f", tf32 {'on' if tf32 else 'off'}")
+    cpu = dataclasses_replace(info, backend="gloo", device=torch.device("cpu"))
+    assert "tf32" not in train_mod._start_line(cfg, cpu, tr, 1)
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+def test_launcher_preflight_refuses_more_nccl_processes_than_gpus(monkeypatch, tmp_path, capsys):
+    """`phalanx train --nproc-per-node 2` with NCCL and one visible GPU: exit 2 with the numbers, before
+    any data is prepared or worker started (the run folder is not even made); one process passes."""
+    from phalanx import cli
+    from phalanx.core.config import load_config
+    from phalanx.tools import launch
+
+    monkeypatch.setattr(dist.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist.tdist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(launch, "prepare_data", lambda cfg: pytest.fail("data prepared before the check"))
+    run = tmp_path / "run"
+    code = cli.main(["train", "dist.backend=nccl", "train.precision=fp32", "--nproc-per-node", "2",
+                     "--run-dir", str(run)])
+    assert code == 2 and not run.exists()
+    assert "2 processes but 1 visible GPU(s)" in capsys.readouterr().err
+    cfg = load_config(None, ["dist.backend=nccl", "train.precision=fp32", f"run_dir={run}"])
+    launch.preflight(cfg, 1, "1")  # one process per GPU: fine
+    monkeypatch.setattr(dist.torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match="1 processes but 0 visible GPU"):
+        launch.preflight(cfg, 1, "1")

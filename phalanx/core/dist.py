@@ -6,7 +6,7 @@ import ctypes.util
 import datetime
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as tdist
@@ -25,6 +25,10 @@ class DistInfo:
     attempt: int  # elastic restart count (TORCHELASTIC_RESTART_COUNT)
     backend: str
     device: torch.device
+    # The group of the small scalar collectives (step-start counts and stop votes, telemetry gathers, eval
+    # sums): a Gloo group next to NCCL, so they run on the host and reading their result never waits for
+    # the GPU's queue; None = the default group (already Gloo on the CPU).
+    scalar_group: object = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -171,9 +175,12 @@ def setup(backend_req: str = "auto", *, timeout_s: float = 600.0, threads: int =
         kwargs = {"device_id": device} if backend == "nccl" else {}
         tdist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                                  timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    scalars = None
+    if backend == "nccl" and world > 1:  # every rank creates it, in the same order (a collective)
+        scalars = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
                     node_rank=int(e.get("GROUP_RANK", "0")), attempt=int(e.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                    backend=backend, device=device)
+                    backend=backend, device=device, scalar_group=scalars)
 
 
 def teardown() -> None:
@@ -182,23 +189,29 @@ def teardown() -> None:
         tdist.destroy_process_group()
 
 
+def scalar_device(info: DistInfo) -> torch.device:
+    """Where the tensors of the scalar collectives live: the host with a Gloo side group."""
+    return torch.device("cpu") if info.scalar_group is not None else info.device
+
+
 def all_reduce(values: list[float], info: DistInfo, op: str = "sum") -> list[float]:
-    """Reduce a few scalars across ranks in one collective (float64 so counts stay exact)."""
+    """Reduce a few scalars across ranks in one collective (float64 so counts stay exact), on the scalar
+    group: next to NCCL that is Gloo on the host, so the result is read without waiting for the GPU."""
     if info.world_size == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=info.device)
+    t = torch.tensor(values, dtype=torch.float64, device=scalar_device(info))
     tdist.all_reduce(t, op={"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX,
-                            "min": tdist.ReduceOp.MIN}[op])
+                            "min": tdist.ReduceOp.MIN}[op], group=info.scalar_group)
     return t.tolist()
 
 
 def all_gather_floats(values: list[float], info: DistInfo) -> list[list[float]]:
-    """Every rank's list of floats (same length on each rank), indexed by rank."""
+    """Every rank's list of floats (same length on each rank), indexed by rank (on the scalar group)."""
     if info.world_size == 1:
         return [list(values)]
-    t = torch.tensor(values, dtype=torch.float64, device=info.device)
+    t = torch.tensor(values, dtype=torch.float64, device=scalar_device(info))
     out = [torch.empty_like(t) for _ in range(info.world_size)]
-    tdist.all_gather(out, t)
+    tdist.all_gather(out, t, group=info.scalar_group)
     return [o.tolist() for o in out]
 
 

@@ -66,6 +66,19 @@ def describe(requested: str, dtype: torch.dtype | None) -> str:
     return f"{name(dtype)} (auto: {'native bf16' if dtype else 'no native bf16, so fp32'})"
 
 
+def set_tf32(enabled: bool, device_type: str) -> bool | None:
+    """`train.tf32` on CUDA: fp32 matrix multiplies (cuBLAS) and convolutions (cuDNN) on TF32 tensor cores,
+    or both in full fp32. Set through the `allow_tf32` flags: torch >= 2.9 also has `fp32_precision`, but a
+    write through the new flags makes a later read of the old ones (which libraries still do) raise.
+    The CPU is left alone (oneDNN has its own setting), so its numbers never change. Returns the setting
+    applied, None on CPU."""
+    if device_type != "cuda":
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    return enabled
+
+
 def autocast_factory(device: torch.device, dtype: torch.dtype | None):
     """A zero-argument callable returning the autocast context for forward passes."""
     if dtype is None:

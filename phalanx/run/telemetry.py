@@ -1,23 +1,45 @@
 """Per-rank cost accounting: where each step's time goes, CPU and memory, FLOPs and MFU, stragglers.
 
-The loop passes the time marks it takes anyway; each rank sums them over the log window. Only at log
-intervals does one all_gather of a few floats per rank bring every rank's numbers to rank 0, which
-turns them into metric keys (global ones, and `ranks/...` lists indexed by rank) and checks for
-stragglers. What each time means (seconds per optimizer step, averaged over the window and the ranks):
+The loop marks each step's phases (run/clock.py); each rank sums them over the log window. Only at log
+intervals does one all_gather of a few floats per rank (on the host: the scalar group) bring every
+rank's numbers to rank 0, which turns them into metric keys (global ones, and `ranks/...` lists indexed
+by rank) and checks for stragglers. Times are seconds per optimizer step, averaged over the window and
+the ranks.
 
-  data_time_s          collate + copy of this rank's micro-batches
+On the CPU (Gloo) the marks are host clock readings: the phases are what the process spent in them.
+On CUDA they are also CUDA events on the current stream, and every time below is *device* time: the
+time between the moments the GPU reached two marks in its queue. Kernels run asynchronously, so a host
+clock would see launch times, count the GPU's work wherever the host next waits (the gradient norm)
+and let the optimizer's kernels spill into the next step. The events are read when the window is
+collected: one synchronize per log window, none per step.
+
+  step_time_s          CPU: host time from the step's start to the optimizer's end. CUDA: from the GPU
+                       reaching the step's start to finishing its optimizer kernels (the optimizer's
+                       work counts in its own step; idle time between steps, e.g. logging, in none)
+  data_time_s          CPU: collate + count + copy of this rank's micro-batches. CUDA: how long the GPU
+                       waited for them: the part of that host work (prefetched on a thread) not hidden
+                       behind the previous step's GPU work, plus the host-to-device copies
   sync_time_s          the step-start scalar all-reduce (target count, stop votes), including waiting
-                       there for slower ranks
+                       there for slower ranks. CUDA: the part of it the GPU sat idle for
   fwd_bwd_time_s       forward + backward of all micro-batches, including the part of DDP's gradient
-                       all-reduce that is not hidden behind backward
-  optimizer_time_s     unscale, clip, optimizer step, zero_grad
-  (these four add up to step_time_s)
+                       all-reduce that is not hidden behind backward (CUDA: on the GPU)
+  optimizer_time_s     unscale, clip (the gradient-norm read is the step's one host wait), optimizer
+                       step, zero_grad (CUDA: on the GPU, including its wait for the host's launches)
+  (these four add up to step_time_s, on either device)
   comm_time_s          wall time during which a DDP gradient all-reduce was in flight (a comm hook that
                        does DDP's default averaging all-reduce and records launch and completion);
                        it overlaps backward, so it is not a fifth slice of the split
   comm_exposed_time_s  the part of fwd_bwd after the last gradient bucket was launched, when backward
                        has nothing left to do but wait for communication
-  ranks/busy_time_s    step - sync - comm_exposed: time a rank worked rather than waited for others
+  ranks/busy_time_s    time a rank worked rather than waited for others. CPU: step - sync -
+                       comm_exposed. CUDA: the step's segments that hold no collective under DDP: data,
+                       every micro-batch's forward, the backward of all micro-batches but the last
+                       (no_sync), the optimizer. The last backward is left out whole: it holds the
+                       gradient all-reduce, which NCCL runs on its own stream, where a fast GPU waits
+                       for the slow one. So a slow GPU's busy time is the larger, though every rank's
+                       step time is the same. Under FSDP forward/backward gather parameters (and
+                       DDP broadcasts a model's buffers at each forward, e.g. BERT's position ids):
+                       those waits are in busy too, and a straggler stands out less
 
 With `log.telemetry: false` only the loss, the rates, pad fraction and the four-way split are kept: no comm
 hook, no per-rank resource sampling, no per-rank lists, no straggler check, no FLOPs/MFU.
@@ -38,6 +60,7 @@ import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.core import dist
+from phalanx.run.clock import BACKWARD, StepClock
 from phalanx.run.stragglers import StragglerDetector
 
 MB = 2 ** 20
@@ -45,6 +68,7 @@ MB = 2 ** 20
 # step's all-reduced totals (equal on every rank); tokens: this rank's own.
 WINDOW = ("steps", "time", "data", "sync", "fwd_bwd", "optimizer", "comm", "comm_exposed", "busy",
           "tokens", "samples", "loss", "targets", "global_tokens", "useful")
+READ_AHEAD = 32  # on CUDA, unread steps past this many are read where the GPU has finished them (no wait)
 RESOURCES = ("cpu_percent", "rss_mb", "host_peak_mb", "cuda_allocated_mb", "cuda_peak_mb")
 
 # Dense (no sparsity) peak TFLOP/s per GPU model: (16-bit tensor cores, fp32), from NVIDIA's datasheets.
@@ -150,10 +174,14 @@ class Telemetry:
     """One per rank, made on every rank just before the loop (its constructor has a barrier).
     `step()` after every optimizer step; `collect()` on every rank at log steps (a gather)."""
 
-    def __init__(self, info, cfg, *, n_params: int, model, wrapped, amp_dtype, monitor):
-        """`model` is the raw model (its config gives layers and width), `wrapped` what DDP returned."""
+    def __init__(self, info, cfg, *, n_params: int, model, wrapped, amp_dtype, monitor, clock: StepClock | None = None):
+        """`model` is the raw model (its config gives layers and width), `wrapped` what DDP returned,
+        `clock` the loop's step clock (host clock only if not given)."""
         log_cfg = cfg.log
         self.info, self.monitor, self.n_params = info, monitor, n_params
+        self.clock = clock or StepClock()
+        self.pending: list = []  # (marks, comm) of steps whose times are not read yet
+        self.loss = None  # this rank's loss sum over the window, on the device in float64 (exact as Python's)
         self.full = log_cfg.telemetry
         self.comm = CommTimer.attach(wrapped, info) if self.full else None
         self.comm_measured = self.full and (self.comm is not None or info.world_size == 1)
@@ -176,19 +204,30 @@ class Telemetry:
         dist.barrier(info)
 
     def step(self, r) -> None:
-        """Account one optimizer step (train.StepResult): its time marks (start, sync, fwd_bwd, optimizer,
-        end), this rank's tokens and loss, and the step's global totals."""
-        t0, t_sync, t1, t2, t3 = r.times
-        comm, exposed = self.comm.take(t2) if self.comm else (0.0, 0.0)
+        """Account one optimizer step (train.StepResult): its phase marks, this rank's tokens and loss, and
+        the step's global totals. Times are added when read: at once on the CPU, at collect() on CUDA."""
         w = self.window
-        for key, value in (("steps", 1), ("time", t3 - t0), ("data", t_sync - t0), ("sync", t1 - t_sync),
-                           ("fwd_bwd", t2 - t1), ("optimizer", t3 - t2), ("comm", comm),
-                           ("comm_exposed", exposed), ("busy", (t3 - t0) - (t1 - t_sync) - exposed),
-                           ("tokens", r.local_tokens), ("samples", self.samples_per_step), ("loss", r.loss_sum),
+        for key, value in (("steps", 1), ("tokens", r.local_tokens), ("samples", self.samples_per_step),
                            ("targets", r.count), ("global_tokens", r.tokens), ("useful", r.useful)):
             w[key] += value
-        self.train_s += t3 - t0
-        self.overhead_s += time.perf_counter() - t3
+        loss = r.loss_sum.detach().double()  # no host read: the sum stays queued on the device
+        self.loss = loss if self.loss is None else self.loss + loss
+        self.pending.append((r.marks, self.comm.take(r.marks.host_at(BACKWARD)) if self.comm else (0.0, 0.0)))
+        if not self.clock.on_device or len(self.pending) > READ_AHEAD:
+            self._account(wait=False)
+        self.train_s += r.marks.host_seconds
+        self.overhead_s += self.clock.now() - r.marks.host[-1]
+
+    def _account(self, wait: bool) -> None:
+        """Add the read times of pending steps to the window (all of them with `wait`)."""
+        times = self.clock.read([m for m, _ in self.pending], wait)
+        w = self.window
+        for t, (_, (comm, exposed)) in zip(times, self.pending):
+            busy = t.local if self.clock.on_device else t.time - t.sync - exposed
+            for key, value in (("time", t.time), ("data", t.data), ("sync", t.sync), ("fwd_bwd", t.fwd_bwd),
+                               ("optimizer", t.optimizer), ("comm", comm), ("comm_exposed", exposed), ("busy", busy)):
+                w[key] += value
+        del self.pending[:len(times)]
 
     def _resources(self) -> list[float]:
         cuda = self.info.device.type == "cuda"
@@ -200,7 +239,10 @@ class Telemetry:
 
     def collect(self, step: int) -> dict:
         """Gather the window from every rank (a collective: all ranks call it); rank 0 gets the keys."""
-        start = time.perf_counter()
+        start = self.clock.now()
+        self.window["loss"] = float(self.loss) if self.loss is not None else 0.0  # waits for the GPU: once a window
+        self._account(wait=True)
+        self.loss = None
         resources = self._resources() if self.full else []
         rows = dist.all_gather_floats([self.window[k] for k in WINDOW] + resources, self.info)
         self.window = dict.fromkeys(WINDOW, 0.0)
@@ -211,7 +253,7 @@ class Telemetry:
             record = self._record(cols)
             if self.full:
                 self._check_stragglers(step, record["ranks/busy_time_s"])
-        self.overhead_s += time.perf_counter() - start
+        self.overhead_s += self.clock.now() - start
         return record
 
     def _record(self, cols: dict) -> dict:

@@ -2,7 +2,10 @@
 
 Runs inside one worker process (started by torchrun/srun, or alone). Every rank executes the same
 sequence of collectives: a one-scalar-vector sync at the start of each step (global target count, stop
-votes), DDP's gradient all-reduce, and at log/eval/checkpoint steps their reductions.
+votes), DDP's gradient all-reduce, and at log/eval/checkpoint steps their reductions. On CUDA the host
+waits for the GPU once per step, for the gradient norm (the NaN/skip decision needs it): the scalar
+collectives run on a Gloo group on the host, tokens are counted on the host batch before it is copied,
+and the loss and the step timers are read only at log steps.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import gc
 import math
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,7 +34,9 @@ from phalanx.data.samplers import GlobalBatchSampler
 from phalanx.model import precision
 from phalanx.model.build import count_parameters, quiet_transformers, wrap
 from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl
+from phalanx.run.batches import BatchSource
 from phalanx.run.checkpoint import CheckpointDict, Checkpointer, resolve_resume
+from phalanx.run.clock import BACKWARD, DATA, FORWARD, SYNC, StepClock, StepMarks
 from phalanx.run.evaluate import evaluate
 from phalanx.run.export import export_final
 from phalanx.run.monitor import Monitor
@@ -88,14 +93,21 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     if resumed:
         monitor.log(resumed)
     run = Run(cfg, info, folder, Probe(watchdog, parse_fault(cfg.debug.fault), info.rank, info.attempt), monitor,
-              checkpointer, saved, start_step=state.step, started_at=started_at)
+              checkpointer, saved, start_step=state.step, started_at=started_at,
+              clock=StepClock.for_device(info.device))
     run.telemetry = Telemetry(info, cfg, n_params=count_parameters(tr.model), model=tr.model, wrapped=tr.wrapped,
-                              amp_dtype=tr.amp_dtype, monitor=monitor)
+                              amp_dtype=tr.amp_dtype, monitor=monitor, clock=run.clock)
     run.preempt = PreemptionFlag()
+    # prefetch on CUDA only: on the CPU the collating thread would take cores from the step itself
+    run.batches = BatchSource(task, sampler, info.rank, info.world_size, info.device,
+                              prefetch=info.device.type == "cuda")
     watchdog.timeout_s = cfg.dist.timeout_s  # start-up is over: the training timeout applies
 
     # ---- the loop, then the finish -------------------------------------------------------------
-    stopped, eval_metrics = _loop(run, tr, task, sampler, state)
+    try:
+        stopped, eval_metrics = _loop(run, tr, task, state)
+    finally:
+        run.batches.close()
     if stopped:
         if info.is_main:
             folder.mark_preempted(state.step, run.preempt.signal)
@@ -123,6 +135,7 @@ class Trainee:
 
 def build_trainee(cfg: Config, info: dist.DistInfo, task) -> Trainee:
     t = cfg.train
+    precision.set_tf32(t.tf32, info.device.type)  # before the first matmul (CUDA only)
     torch.manual_seed(t.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
     model = task.build_model().to(info.device)
     wrapped = wrap(model, t.strategy, info)
@@ -151,7 +164,8 @@ def _start_line(cfg: Config, info: dist.DistInfo, tr: Trainee, accum: int) -> st
             f"{info.world_size} ({info.backend}, {torch.get_num_threads()} threads/process), global batch "
             f"{t.global_batch_size} = micro {t.micro_batch_size} x world {info.world_size} x accum {accum}, "
             f"precision {precision.describe(t.precision, tr.amp_dtype)}, strategy "
-            f"{t.strategy if info.world_size > 1 else 'single'}, optimizer AdamW {optimizer_impl(tr.optimizer)}")
+            f"{t.strategy if info.world_size > 1 else 'single'}, optimizer AdamW {optimizer_impl(tr.optimizer)}"
+            + (f", tf32 {'on' if t.tf32 else 'off'}" if info.device.type == "cuda" else ""))
 
 
 def _resume(cfg: Config, checkpointer: Checkpointer, saved: CheckpointDict, state: TrainState, info) -> dict | None:
@@ -182,12 +196,14 @@ class Run:
     saved: CheckpointDict         # what each checkpoint saves
     start_step: int               # the step this attempt started (or resumed) at
     started_at: float             # time.time() when the worker started
+    clock: StepClock = field(default_factory=StepClock)  # marks each step's phases (host clock; CUDA events)
     telemetry: Telemetry | None = None
     preempt: PreemptionFlag | None = None
+    batches: BatchSource | None = None  # this rank's micro-batches of each step, on the host
     first_step_at: float | None = None
 
 
-def _loop(run: Run, tr: Trainee, task, sampler: GlobalBatchSampler, state: TrainState) -> tuple[bool, dict]:
+def _loop(run: Run, tr: Trainee, task, state: TrainState) -> tuple[bool, dict]:
     """Steps until train.max_steps or a stop all ranks agreed on. At the top of each pass, what the steps
     so far earned: evaluation and checkpoint on their intervals, and both at the last step (the same code).
     Returns (stopped early, the last evaluation's metrics)."""
@@ -208,8 +224,8 @@ def _loop(run: Run, tr: Trainee, task, sampler: GlobalBatchSampler, state: Train
             return stop, eval_metrics
 
         minutes_due = bool(t.checkpoint_every_minutes) and time.time() - last_ckpt_time > 60 * t.checkpoint_every_minutes
-        r = train_step(run, tr, task, sampler, state, votes=(run.preempt.requested, minutes_due))
-        state.advance(t.global_batch_size, int(r.tokens), r.times[-1] - r.times[0])
+        r = train_step(run, tr, task, state, votes=(run.preempt.requested, minutes_due))
+        state.advance(t.global_batch_size, int(r.tokens), r.marks.host_seconds)
         run.first_step_at = run.first_step_at or time.time()
         stop, checkpoint_due = r.stop, r.checkpoint_due
         run.telemetry.step(r)
@@ -236,7 +252,7 @@ def _save(run: Run, state: TrainState) -> None:
 
 @dataclass
 class StepResult:
-    loss_sum: float     # this rank's summed loss over its micro-batches
+    loss_sum: torch.Tensor  # this rank's summed loss over its micro-batches, on the device (read at log steps)
     count: float        # target count of the whole global batch (all-reduced)
     tokens: float       # tokens of the global batch, padding included (all-reduced)
     useful: float       # non-padding tokens of the global batch (all-reduced)
@@ -245,36 +261,32 @@ class StepResult:
     checkpoint_due: bool  # time-based checkpoint vote
     grad_norm: float
     lr: float
-    times: tuple        # perf_counter marks: start, sync, after sync, after backward, end
+    marks: StepMarks    # the step's phase marks (run/clock.py), read by telemetry
 
 
-def train_step(run: Run, tr: Trainee, task, sampler: GlobalBatchSampler, state: TrainState,
-               votes: tuple[bool, bool]) -> StepResult:
+def train_step(run: Run, tr: Trainee, task, state: TrainState, votes: tuple[bool, bool]) -> StepResult:
     """One optimizer step: this rank's micro-batches of the global batch, one gradient all-reduce.
     `votes`: this rank asks to stop (preemption) / to checkpoint now (time-based)."""
-    step, info = state.step, run.info
+    step, info, clock = state.step, run.info, run.clock
     run.probe(step, Phase.START)
-    t0 = time.perf_counter()
+    clock.start()
     run.probe(step, Phase.DATA)
-    global_ids = sampler.global_batch(state.samples_seen)
-    micro_ids = sampler.micro_batch_ids(info.rank, info.world_size)
-    batches = [dist.to_device(task.collate(task.train_set, ids), info.device)
-               for ids in sampler.rank_micro_batches(global_ids, info.rank, info.world_size)]
-    local = [sum(task.target_count(b) for b in batches), sum(task.batch_tokens(b) for b in batches),
-             sum(task.useful_tokens(b) for b in batches)]
+    micro_ids, host = run.batches.take(state.samples_seen)
+    # Counted on the host batches: a count read from the GPU would wait for everything queued there.
+    local = [sum(task.target_count(b) for b in host), sum(task.batch_tokens(b) for b in host),
+             sum(task.useful_tokens(b) for b in host)]
+    batches = [dist.to_device(b, info.device) for b in host]
     run.probe(step, Phase.SYNC)
-    t_sync = time.perf_counter()
+    clock.mark(DATA)
     # One small collective per step: the global target count (loss normaliser) and the stop votes.
     count, tokens, useful, stop_votes, time_votes = dist.all_reduce([*local, *map(float, votes)], info)
-    t1 = time.perf_counter()
+    clock.mark(SYNC)
     losses = _forward_backward(run, tr, task, batches, micro_ids, count, step)
-    t2 = time.perf_counter()
     run.probe(step, Phase.OPTIMIZER)
     grad_norm, lr = _optimizer_step(run, tr, state, losses, micro_ids)
-    t3 = time.perf_counter()
-    return StepResult(loss_sum=float(sum(losses)), count=count, tokens=tokens, useful=useful,
-                      local_tokens=local[1], stop=stop_votes > 0, checkpoint_due=time_votes > 0,
-                      grad_norm=grad_norm, lr=lr, times=(t0, t_sync, t1, t2, t3))
+    marks = clock.stop()
+    return StepResult(loss_sum=sum(losses), count=count, tokens=tokens, useful=useful, local_tokens=local[1],
+                      stop=stop_votes > 0, checkpoint_due=time_votes > 0, grad_norm=grad_norm, lr=lr, marks=marks)
 
 
 def micro_seed(seed: int, step: int, micro_id: int) -> int:
@@ -311,8 +323,10 @@ def _forward_backward(run: Run, tr: Trainee, task, batches, micro_ids, count, st
                 loss = task.loss_sum(tr.forward, batch)
             if poison:  # test-only: debug.fault nan
                 loss = loss * float("nan")
+            run.clock.mark(FORWARD)
             run.probe(step, Phase.BACKWARD, k)
             tr.scaler.scale(loss * (world / count)).backward()
+            run.clock.mark(BACKWARD)
         losses.append(loss.detach())  # no host sync here: checked only if the step turns out non-finite
     return losses
 

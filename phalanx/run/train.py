@@ -33,6 +33,7 @@ from phalanx.core.runfolder import RunFolder, write_json
 from phalanx.data.samplers import GlobalBatchSampler
 from phalanx.model import precision
 from phalanx.model.build import count_parameters, quiet_transformers, wrap
+from phalanx.model.lora import base_identity
 from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl
 from phalanx.run.batches import BatchSource
 from phalanx.run.checkpoint import CheckpointDict, Checkpointer, resolve_resume
@@ -152,8 +153,11 @@ def checkpoint_dict(tr: Trainee, state: TrainState) -> CheckpointDict:
     """What a checkpoint holds: every object whose state a resumed run needs, by name. The sampler has no
     entry: its position is `state.samples_seen` (with `state.data_order`)."""
     optim = OptimizerState(tr.model, tr.optimizer)
+    # A model with frozen parameters (LoRA) saves only what trains; the base is rebuilt from model.pretrained,
+    # whose identity the checkpoint records (a resume onto another base is refused).
+    frozen = any(not p.requires_grad for p in tr.model.parameters())
     return CheckpointDict(
-        sharded={"model": ModelState(tr.model), "optim": optim},
+        sharded={"model": ModelState(tr.model, trainable_only=frozen), "optim": optim},
         shared={"train_state": state, "schedule": tr.schedule, "scaler": tr.scaler, "param_groups": optim.groups},
         per_rank={"rng": RNGState()})  # dropout is seeded per micro-batch; other streams continue per rank
 
@@ -245,7 +249,8 @@ def _save(run: Run, state: TrainState) -> None:
     step = state.step
     run.probe(step, Phase.CHECKPOINT)
     path, seconds = run.checkpointer.save(step, run.saved,
-                                          {"config_hash": config_hash(run.cfg), "config": relevant_subset(run.cfg)},
+                                          {"config_hash": config_hash(run.cfg), "config": relevant_subset(run.cfg),
+                                           "base_model": base_identity(run.cfg.model.pretrained)},
                                           after_write=lambda: run.probe(step, Phase.CHECKPOINT_WRITTEN))
     run.monitor.log({"step": step, "event": "checkpoint", "checkpoint_s": round(seconds, 4), "path": str(path)})
 
@@ -375,6 +380,7 @@ def _finish(run: Run, tr: Trainee, task, state: TrainState, eval_metrics: dict, 
         "micro_batch_size": t.micro_batch_size, "grad_accum": accum, "steps": state.step,
         "tokens_seen": state.tokens_seen, "samples_seen": state.samples_seen,
         "nan_skipped_steps": state.nan_skips, "parameters": count_parameters(tr.model),
+        "trainable_parameters": sum(p.numel() for p in tr.model.parameters() if p.requires_grad),
         "train_time_s": round(state.train_time_s, 3),
         "tokens_per_s": state.tokens_seen / max(state.train_time_s, 1e-9),
         "wall_time_s": round(now - run.started_at, 3),

@@ -39,7 +39,6 @@ CONFIG = REPO / "examples" / "shakespeare.yaml"
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=32", "data.vocab_size=512",
         "train.micro_batch_size=4", "train.global_batch_size=16", "train.warmup_steps=2", "train.lr=3e-3",
         "train.max_steps=10", "train.eval_max_samples=9"]
-PEAK_TFLOPS = (("H100", 989, 67), ("H200", 989, 67), ("A100", 312, 19.5), ("L4", 121, 30.3))
 
 
 def phalanx_cmd(run: Path, cache: Path, nproc: int, steps: int, extra: list[str], config=CONFIG) -> list[str]:
@@ -113,17 +112,13 @@ def launcher_gpus(i: int, nproc: int, launchers: int) -> dict:
 
 
 def gpu_peak_tflops(dtype_16bit: bool) -> float:
+    """The GPU's dense peak from phalanx's table (exact model match, as the run's own MFU uses); 0 if unlisted."""
     import torch
 
-    name = torch.cuda.get_device_name()
-    try:
-        from phalanx.run.telemetry import GPU_PEAK_TFLOPS as table
-    except ImportError:
-        table = PEAK_TFLOPS
-    for pattern, half, single in table:
-        if pattern in name:
-            return half if dtype_16bit else single
-    return 0.0
+    from phalanx.run.telemetry import GPU_PEAK_TFLOPS, gpu_model
+
+    peaks = GPU_PEAK_TFLOPS.get(gpu_model(torch.cuda.get_device_name()))
+    return float(peaks[0] if dtype_16bit else peaks[1]) if peaks else 0.0
 
 
 def mfu(row: dict, device: str) -> str:

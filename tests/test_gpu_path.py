@@ -134,16 +134,22 @@ def test_doctor_reads_gpu_memory_without_a_context_of_its_own(monkeypatch, capsy
     assert "vs 100.00 GB available per GPU" in line
 
 
-def test_two_launchers_on_one_gpu_machine_get_their_own_gpus(monkeypatch):
-    """bench/strategies.py's '2 launchers x1' case: each launcher sees its own GPU (else both take cuda:0)."""
+def load_strategies():
     import importlib.util
 
-    import torch
     from conftest import REPO
 
     spec = importlib.util.spec_from_file_location("strategies", REPO / "bench" / "strategies.py")
     strategies = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(strategies)
+    return strategies
+
+
+def test_two_launchers_on_one_gpu_machine_get_their_own_gpus(monkeypatch):
+    """bench/strategies.py's '2 launchers x1' case: each launcher sees its own GPU (else both take cuda:0)."""
+    import torch
+
+    strategies = load_strategies()
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     assert [strategies.launcher_gpus(i, 1, 2) for i in range(2)] == [{"CUDA_VISIBLE_DEVICES": "4"},
@@ -383,3 +389,22 @@ def test_launcher_preflight_refuses_more_nccl_processes_than_gpus(monkeypatch, t
     monkeypatch.setattr(dist.torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ConfigError, match="1 processes but 0 visible GPU"):
         launch.preflight(cfg, 1, "1")
+
+
+def test_bench_mfu_uses_the_exact_gpu_peak(monkeypatch):
+    """gpu_check.sh's throughput table: bench/strategies.py's MFU column reads phalanx's peak table (a dict
+    keyed by exact model since issue 19 item 9; iterating it as the old (pattern, bf16, fp32) rows crashed
+    the report after every run had finished, on the H200)."""
+    import torch
+
+    strategies = load_strategies()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert strategies.gpu_peak_tflops(True) == 989 and strategies.gpu_peak_tflops(False) == 67
+    row = {"name": "bf16 x1", "nproc": 1, "params": 1_000_000, "tokens_per_s": 1e5}
+    assert strategies.mfu(row, "cuda").endswith("%")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 NVL")
+    assert strategies.gpu_peak_tflops(True) == 835
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA L40")  # not "L4"
+    assert strategies.gpu_peak_tflops(True) == 181
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some GPU")
+    assert strategies.mfu(row, "cuda") == "? (unknown GPU)"

@@ -98,13 +98,16 @@ def print_main(med: dict, results: dict) -> None:
               f"| {m['precision']} | {m['attn']} | {'on' if m['gc'] else 'off'} | {m['world']} |")
 
 
-def print_ratios(med: dict, same: str) -> None:
-    print("\n| ratio (phalanx / TRL) | value | target |\n|---|---|---|")
+def print_ratios(med: dict, results: dict, same: str) -> None:
+    """Ratios of medians, and paired: the median over repeats of the ratio within each repeat (the two
+    sides of a repeat ran minutes apart, so a drifting shared machine moves both)."""
+    print("\n| ratio (phalanx / TRL) | of medians | paired (per repeat) | target |\n|---|---|---|---|")
 
     def row(name, ours, theirs, key, target=None):
         if ours in med and theirs in med:
-            v = med[ours][key] / med[theirs][key]
-            print(f"| {name} | {v:.2f}x | {f'>= {target}x' if target else ''} |")
+            pairs = [o[key] / t[key] for o, t in zip(results[ours], results[theirs])]
+            print(f"| {name} | {med[ours][key] / med[theirs][key]:.2f}x | {statistics.median(pairs):.2f}x "
+                  f"({', '.join(f'{v:.2f}' for v in pairs)}) | {f'>= {target}x' if target else ''} |")
 
     row("defaults: phalanx / trl-defaults, useful tok/s", "phalanx", "trl-defaults", "useful_tps", TARGETS["defaults"])
     row("defaults: supervised tok/s (TRL's loss covers every token)", "phalanx", "trl-defaults", "supervised_tps")
@@ -116,7 +119,7 @@ def print_ratios(med: dict, same: str) -> None:
     for ours, theirs in (("phalanx", "trl-defaults"), ("phalanx", "trl-same")):
         if ours in med and theirs in med:
             rss = [o / t for o, t in zip(med[ours]["rss_mb"], med[theirs]["rss_mb"])]
-            print(f"| peak RSS per rank: {ours} / {theirs} | {' / '.join(f'{v:.2f}x' for v in rss)} | |")
+            print(f"| peak RSS per rank: {ours} / {theirs} | {' / '.join(f'{v:.2f}x' for v in rss)} | | |")
 
 
 def print_lora(med: dict, results: dict) -> None:
@@ -189,7 +192,7 @@ def main() -> None:
             last = results[side][-1]
             last["optimizer_bytes"], last["trained"] = checkpoint_optimizer(s["work"] / f"{side}-{a.repeats - 1}")
     print_main(med, results)
-    print_ratios(med, "packed" if packing_ok else "padded, group_by_length")
+    print_ratios(med, results, "packed" if packing_ok else "padded, group_by_length")
     print_lora(med, results)
     print_split(med)
     print(f"\n({NPROC} processes x 1 thread a side on a {Path('/proc/cpuinfo').read_text().count('processor')}-core "

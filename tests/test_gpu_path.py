@@ -355,7 +355,7 @@ def test_the_worker_applies_train_tf32_and_says_it(tf32_flags, tf32):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
     info = dist.DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, attempt=0,
                          backend="nccl", device=torch.device("cuda", 0))
-    tr = train_mod.build_trainee(cfg, info, SimpleNamespace(build_model=lambda: Model(2, 2)))
+    tr = train_mod.build_trainee(cfg, info, SimpleNamespace(build_model=lambda builder: Model(2, 2)))
     assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
     assert train_mod._start_line(cfg, info, tr, 1).endswith(f", tf32 {'on' if tf32 else 'off'}")
     cpu = dataclasses_replace(info, backend="gloo", device=torch.device("cpu"))

@@ -158,12 +158,31 @@ class TrainConfig:
                         choices=["auto", "fp32", "bf16", "fp16"])
     tf32: bool = _f(False, "CUDA (Ampere and newer): run fp32 matrix multiplies and convolutions on TF32 tensor "
                     "cores (several times faster, 10-bit mantissa inputs, fp32 accumulation); torch's default is "
-                    "off. No effect on CPU or on what autocast computes in bf16/fp16")
+                    "off. No effect on CPU or on what autocast computes in bf16/fp16. Applied in every worker "
+                    "(`torch.backends.cuda.matmul.allow_tf32` and `torch.backends.cudnn.allow_tf32`, both set to the "
+                    "key's value) and shown in the start line (`tf32 on`/`off`) on CUDA")
     compile: bool = _f(False, "torch.compile the model for training steps (the uncompiled model is "
                        "saved, evaluated and exported)")
     strategy: str = _f("ddp", "data parallel strategy: ddp = full replica per process; fsdp = FSDP2 "
                        "fully_shard per transformer block, then the root (parameters, gradients and "
-                       "optimizer state sharded); checkpoints load into either", choices=["ddp", "fsdp"])
+                       "optimizer state sharded; the model is built on the meta device and each process "
+                       "materialises, initialises or loads only its own shards); checkpoints load into either",
+                       choices=["ddp", "fsdp"])
+    activation_checkpointing: str = _f("none", "recompute transformer blocks' activations in the backward pass "
+                                       "instead of keeping them (less memory, ~1/3 more compute; same losses "
+                                       "and gradients): none, full = every block, every_k = blocks 0, k, 2k, ... "
+                                       "with k = train.activation_checkpointing_every",
+                                       choices=["none", "full", "every_k"])
+    activation_checkpointing_every: int = _f(2, "k of activation_checkpointing=every_k: checkpoint every k-th "
+                                             "transformer block", min=1)
+    cpu_offload: bool = _f(False, "fsdp on GPUs: keep parameter shards, their gradients and the optimizer state "
+                           "in host memory (FSDP2's CPUOffloadPolicy; the optimizer step runs on the CPU); "
+                           "exit 2 without a GPU")
+    export_shard_mb: float = _f(2048.0, "RUN/final: a model larger than this many megabytes (fp32) is written "
+                                "as sharded safetensors files of at most this size each, with "
+                                "model.safetensors.index.json, by all processes in parallel, each tensor "
+                                "gathered only to the process that writes it; smaller models are one "
+                                "model.safetensors written by rank 0", min=0.001)
     nan_policy: str = _f("skip", "on a non-finite loss or gradient norm: skip the step or stop",
                          choices=["skip", "stop"])
     max_nan_skips: int = _f(5, "stop after this many consecutive skipped steps", min=1)
@@ -398,6 +417,8 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
     m, t = cfg.model, cfg.train
     if m.n_embd % m.n_head:
         raise ConfigError(f"config key 'model.n_embd': {m.n_embd} is not divisible by model.n_head={m.n_head}")
+    if t.cpu_offload and t.strategy != "fsdp":
+        raise ConfigError("config key 'train.cpu_offload': offloads FSDP2's shards; it needs train.strategy=fsdp")
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"config key 'train.global_batch_size': {t.global_batch_size} is not a multiple "
                           f"of train.micro_batch_size={t.micro_batch_size}")

@@ -1,18 +1,26 @@
-"""Build Hugging Face models from the config (random init) or a pretrained folder, and wrap them.
+"""Hugging Face models from the config (random init) or a pretrained folder: their architecture (built on
+the meta device by shard.Builder, which fills in the weights), ready-made models for callers outside the
+trainer, and the DDP wrapper.
 
 transformers is imported inside the builders: it costs ~2 s, and the launcher (which imports the tasks)
 never builds a model.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from phalanx.core.config import ModelConfig, hub_name
+from phalanx.core.config import ModelConfig, TrainConfig, hub_name
+from phalanx.model import precision
+from phalanx.model.checkpointing import apply_activation_checkpointing
+from phalanx.model.shard import Builder, fsdp_shard, transformer_blocks  # noqa: F401  (transformer_blocks: re-exported)
 
-# Master weights are fp32 whatever dtype a checkpoint was saved in (transformers 5 loads with
-# dtype="auto", so a bf16/fp16 hub model would otherwise train 16-bit weights with 16-bit AdamW state,
-# and fp16 GradScaler refuses to unscale fp16 gradients); train.precision decides the compute dtype.
+# Master weights are fp32 whatever dtype a checkpoint was saved in: the architecture is defined in fp32 and
+# load.py upcasts 16-bit checkpoints as it copies them (a bf16/fp16 hub model would otherwise train 16-bit
+# weights with 16-bit AdamW state, and fp16 GradScaler refuses to unscale fp16 gradients); train.precision
+# decides the compute dtype.
 MASTER_DTYPE = torch.float32
 
 
@@ -40,17 +48,13 @@ def load_classifier(folder):
     return AutoModelForSequenceClassification.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
 
 
-def build_causal_lm(m: ModelConfig, vocab_size: int, eos_id: int) -> nn.Module:
-    from transformers import (
-        AutoModelForCausalLM,
-        GPT2Config,
-        GPT2LMHeadModel,
-        LlamaConfig,
-        LlamaForCausalLM,
-    )
+def causal_lm(m: ModelConfig, vocab_size: int, eos_id: int) -> nn.Module:
+    """The causal LM's architecture: from the fields of `m`, or the pretrained model's config (its weights
+    are loaded by the Builder). Built on the current default device (meta under a Builder)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     if m.pretrained:
-        return AutoModelForCausalLM.from_pretrained(hub_name(m.pretrained), dtype=MASTER_DTYPE)
+        return _pretrained_skeleton(AutoModelForCausalLM, m.pretrained)
     if m.arch == "gpt2":
         cfg = GPT2Config(vocab_size=vocab_size, n_positions=m.block_size, n_embd=m.n_embd, n_layer=m.n_layer,
                          n_head=m.n_head, resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
@@ -63,8 +67,8 @@ def build_causal_lm(m: ModelConfig, vocab_size: int, eos_id: int) -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-def build_classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: int,
-                     id2label: dict[int, str]) -> nn.Module:
+def classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: int, id2label: dict[int, str]) -> nn.Module:
+    """The classifier's architecture (see causal_lm); a pretrained one gets a new head for these labels."""
     from transformers import (
         AutoModelForSequenceClassification,
         BertConfig,
@@ -77,9 +81,8 @@ def build_classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: i
 
     label2id = {v: k for k, v in id2label.items()}
     if m.pretrained:
-        return AutoModelForSequenceClassification.from_pretrained(
-            hub_name(m.pretrained), num_labels=len(id2label), id2label=id2label, label2id=label2id,
-            ignore_mismatched_sizes=True, dtype=MASTER_DTYPE)
+        return _pretrained_skeleton(AutoModelForSequenceClassification, m.pretrained, num_labels=len(id2label),
+                                    id2label=id2label, label2id=label2id)
     common = dict(vocab_size=vocab_size, pad_token_id=pad_id, num_labels=len(id2label), id2label=id2label,
                   label2id=label2id)
     if m.arch == "distilbert":
@@ -95,41 +98,66 @@ def build_classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: i
     return BertForSequenceClassification(BertConfig(max_position_embeddings=max_length, **kw))
 
 
+def _pretrained_skeleton(auto_class, spec: str, **config_changes) -> nn.Module:
+    """A pretrained model's architecture from its config (and its generation config), in fp32."""
+    from transformers import AutoConfig, GenerationConfig
+
+    name = hub_name(spec)
+    model = auto_class.from_config(AutoConfig.from_pretrained(name, **config_changes), dtype=MASTER_DTYPE)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(name)
+    except OSError:  # none saved: the default derived from the config stays
+        pass
+    return model
+
+
+def build_causal_lm(m: ModelConfig, vocab_size: int, eos_id: int, seed: int | None = None) -> nn.Module:
+    """A causal LM with its weights, whole, on the CPU: random init by name from `seed` (None: drawn from
+    torch's global generator), or model.pretrained loaded."""
+    return Builder(seed=_seed(seed)).build(lambda: causal_lm(m, vocab_size, eos_id), m.pretrained)
+
+
+def build_classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: int,
+                     id2label: dict[int, str], seed: int | None = None) -> nn.Module:
+    """A classifier with its weights (see build_causal_lm); a pretrained model's head for another number of
+    labels is initialised anew."""
+    return Builder(seed=_seed(seed)).build(lambda: classifier(m, vocab_size, pad_id, max_length, id2label),
+                                           m.pretrained, mismatched="init")
+
+
+def _seed(seed: int | None) -> int:
+    return int(torch.randint(0, 2**62, ())) if seed is None else seed
+
+
+def model_builder(t: TrainConfig, device: torch.device, world_size: int, amp_dtype: torch.dtype | None) -> Builder:
+    """How a training worker builds its model: under FSDP2 (more than one process) on the meta device,
+    sharded, then only this rank's shards materialised and filled; otherwise whole, on the worker's
+    device. Either way initialised by (seed, name), so every strategy and world size starts from the same
+    weights; the chosen blocks are activation-checkpointed."""
+    precision.check_offload(t.cpu_offload, device.type)
+    sharded = t.strategy == "fsdp" and world_size > 1
+    shard = partial(fsdp_shard, device=device, world_size=world_size, param_dtype=amp_dtype,
+                    cpu_offload=t.cpu_offload) if sharded else None
+    offload = sharded and t.cpu_offload  # the shards live on the host; buffers go to the GPU
+    return Builder(seed=t.seed, device=torch.device("cpu") if offload else device, shard=shard,
+                   prepare=partial(apply_activation_checkpointing, mode=t.activation_checkpointing,
+                                   every=t.activation_checkpointing_every),
+                   buffer_device=device if offload else None)
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
 def wrap(model: nn.Module, strategy: str, info) -> nn.Module:
-    """DDP (or FSDP2) around `model`; at world size 1 no wrapper (it would cost ~5% for nothing)."""
-    if info.world_size == 1:
-        return model
-    if strategy == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        try:
-            from torch.distributed.fsdp import fully_shard
-        except ImportError:  # torch < 2.6
-            from torch.distributed._composable.fsdp import fully_shard
-
-        # An explicit mesh on the worker's device: the default is CUDA whenever CUDA exists, which is
-        # wrong for a Gloo/CPU run on a GPU machine. Blocks first, then the root (embeddings, head):
-        # each block's all-gather overlaps the previous block's compute.
-        mesh = init_device_mesh(info.device.type, (info.world_size,))
-        for block in transformer_blocks(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+    """DDP around `model`; at world size 1 no wrapper (it would cost ~5% for nothing). Under FSDP2 the model
+    was sharded as it was built (shard.fsdp_shard), so there is nothing to wrap."""
+    if info.world_size == 1 or strategy == "fsdp":
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     device_ids = [info.device.index] if info.device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a Hugging Face transformer (the natural FSDP unit)."""
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            return list(module)
-    return []
 
 
 def tie_shared(state: dict, model: nn.Module) -> dict:

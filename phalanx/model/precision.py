@@ -86,6 +86,26 @@ def autocast_factory(device: torch.device, dtype: torch.dtype | None):
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
+def fsdp_policy(dtype: torch.dtype | None):
+    """FSDP2's mixed precision for a 16-bit `train.precision`: parameters all-gathered and computed in 16 bit
+    (half the bytes of each all-gather), gradients reduced in fp32 into fp32 gradient shards, so the master
+    weights and the optimizer state stay fp32. Autocast still runs around the forward (the ops it keeps in
+    fp32, such as softmax and norms, stay there). fp32: no casts."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def check_offload(cpu_offload: bool, device_type: str) -> None:
+    """`train.cpu_offload` moves FSDP2's shards from GPU memory to the host: without a GPU there is nothing
+    to offload from."""
+    if cpu_offload and device_type != "cuda":
+        raise ConfigError("config key 'train.cpu_offload': offloads GPU memory to the host, and this run has no GPU "
+                          "(the CPU backend); set train.cpu_offload=false")
+
+
 def make_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.GradScaler:
     """Dynamic loss scaling for fp16 (disabled otherwise: its state_dict() is then {}). Its state is
     plain floats/ints, so it is stored in the checkpoint's meta.json. Under FSDP2 the overflow flag

@@ -32,7 +32,7 @@ from phalanx.core.faults import parse_fault
 from phalanx.core.runfolder import RunFolder, write_json
 from phalanx.data.samplers import GlobalBatchSampler
 from phalanx.model import precision
-from phalanx.model.build import count_parameters, quiet_transformers, wrap
+from phalanx.model.build import count_parameters, model_builder, quiet_transformers, wrap
 from phalanx.model.lora import base_identity
 from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl
 from phalanx.run.batches import BatchSource
@@ -137,12 +137,12 @@ class Trainee:
 def build_trainee(cfg: Config, info: dist.DistInfo, task) -> Trainee:
     t = cfg.train
     precision.set_tf32(t.tf32, info.device.type)  # before the first matmul (CUDA only)
-    torch.manual_seed(t.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
-    model = task.build_model().to(info.device)
-    wrapped = wrap(model, t.strategy, info)
     amp_dtype, warnings = precision.check_precision(t.precision, info.device.type)
     for warning in warnings:
         _say(info, f"phalanx: warning: {warning}")
+    torch.manual_seed(t.seed)  # LoRA's adapters come from the global generator; the model is initialised by name
+    model = task.build_model(model_builder(t, info.device, info.world_size, amp_dtype))
+    wrapped = wrap(model, t.strategy, info)
     return Trainee(model=model, wrapped=wrapped, forward=torch.compile(wrapped) if t.compile else wrapped,
                    optimizer=build_optimizer(model, t), schedule=WarmupCosine(t),
                    scaler=precision.make_scaler(info.device, amp_dtype),

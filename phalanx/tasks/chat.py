@@ -24,8 +24,9 @@ from phalanx.data import chat_store, prepare
 from phalanx.data import tokenizer as toks
 from phalanx.data.sample import check_sample
 from phalanx.data.samplers import length_grouped_order, shuffled_order
-from phalanx.model.build import build_causal_lm
+from phalanx.model.build import causal_lm
 from phalanx.model.lora import apply_lora, is_lora
+from phalanx.model.shard import Builder
 from phalanx.tasks.base import TaskBase
 
 IGNORE = -100
@@ -126,11 +127,19 @@ class ChatTask(TaskBase):
             return shuffled_order(len(self.train_set), lazy=True)
         return length_grouped_order(self.train_set.lengths, t.micro_batch_size, unit=t.global_batch_size)
 
-    def build_model(self) -> torch.nn.Module:
-        model = build_causal_lm(self.cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id)
+    def define_model(self) -> torch.nn.Module:
+        """The architecture, with the base model's vocabulary grown by the chat template's tokens where it
+        has none: the loader fills their embedding rows by mean resizing (model/load.py)."""
+        model = causal_lm(self.cfg.model, len(self.tokenizer), self.tokenizer.eos_token_id)
         self.base_vocab = model.get_input_embeddings().weight.shape[0]
         if len(self.tokenizer) > self.base_vocab:  # the chat template's tokens (a base model without one)
-            model.resize_token_embeddings(len(self.tokenizer), mean_resizing=True)
+            model.resize_token_embeddings(len(self.tokenizer), mean_resizing=False)
+        return model
+
+    def build_model(self, builder: Builder | None = None) -> torch.nn.Module:
+        """The model with its weights (see LMTask.build_model), then LoRA's adapters (peft draws them from
+        torch's global generator, which the trainer seeds)."""
+        model = (builder or Builder(seed=self.cfg.train.seed)).build(self.define_model, self.cfg.model.pretrained)
         if self.cfg.model.lora.r:
             model = apply_lora(model, self.cfg.model.lora, list(range(self.base_vocab, len(self.tokenizer))))
         return model

@@ -16,7 +16,8 @@ from phalanx.data import tokenizer as toks
 from phalanx.data.classify_store import CLASSIFY, EncodedSet
 from phalanx.data.sample import check_sample
 from phalanx.data.samplers import length_grouped_order, shuffled_order
-from phalanx.model.build import build_classifier
+from phalanx.model.build import classifier
+from phalanx.model.shard import Builder
 from phalanx.tasks.base import TaskBase
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -99,11 +100,18 @@ class ClassifyTask(TaskBase):
 
     @staticmethod
     def model_for(cfg: Config, vocab_size: int, special_id: int, names: list[str] | None = None):
+        """The architecture, on the current default device (no weights are loaded)."""
         names = names or cfg.data.labels or ["0", "1"]
-        return build_classifier(cfg.model, vocab_size, special_id, cfg.data.max_length, dict(enumerate(names)))
+        return classifier(cfg.model, vocab_size, special_id, cfg.data.max_length, dict(enumerate(names)))
 
-    def build_model(self):
+    def define_model(self):
         return self.model_for(self.cfg, len(self.tokenizer), self.tokenizer.pad_token_id, self.names)
+
+    def build_model(self, builder: Builder | None = None):
+        """The model with its weights (see LMTask.build_model); a pretrained model's head for another number
+        of labels is initialised anew."""
+        return (builder or Builder(seed=self.cfg.train.seed)).build(self.define_model, self.cfg.model.pretrained,
+                                                                     mismatched="init")
 
     def collate(self, dataset: EncodedSet, indices) -> dict:
         batch = pad_batch([dataset.example(int(i)) for i in indices], self.tokenizer.pad_token_id,

@@ -116,10 +116,11 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
 
 
 def check_hardware(cfg: Config) -> None:
-    """train.precision and train.compile against the device the workers will use (errors only; each
+    """train.precision, train.cpu_offload and train.compile against the device the workers will use (errors only; each
     worker prints the warnings, e.g. emulated fp16 on CPU, with the precision it picked)."""
     device_type = "cuda" if dist.pick_backend(cfg.dist.backend) == "nccl" else "cpu"
     precision.check_precision(cfg.train.precision, device_type)
+    precision.check_offload(cfg.train.cpu_offload, device_type)
     if cfg.train.compile:
         precision.check_compile(device_type)
 

@@ -50,5 +50,5 @@ def test_doctor_fails_when_the_model_does_not_fit(tmp_path):
     proc = phalanx("doctor", "--run-dir", tmp_path, f"data.train={SHAKESPEARE}", "model.n_layer=48",
                    "model.n_embd=8192", "model.n_head=64")
     assert proc.returncode == 1
-    line = next(line for line in proc.stdout.splitlines() if "memory estimate" in line)
+    line = next(line for line in proc.stdout.splitlines() if "memory plan" in line)
     assert line.startswith("problem") and "does not fit" in line and "M parameters" in line

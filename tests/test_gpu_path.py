@@ -130,8 +130,8 @@ def test_doctor_reads_gpu_memory_without_a_context_of_its_own(monkeypatch, capsy
 
     rep = doctor.Report()
     doctor.check_memory(rep, load_config(None, []), 1, 1, "nccl", avail)
-    (line,) = [d for v, c, d in rep.lines if c == "memory estimate"]
-    assert "vs 100.00 GB available per GPU" in line
+    (line,) = [d for v, c, d in rep.lines if c == "memory plan"]
+    assert "vs 100.00 GB per GPU" in line
 
 
 def load_strategies():

@@ -183,6 +183,9 @@ class TrainConfig:
                                 "model.safetensors.index.json, by all processes in parallel, each tensor "
                                 "gathered only to the process that writes it; smaller models are one "
                                 "model.safetensors written by rank 0", min=0.001)
+    memory_check: str = _f("error", "when the memory plan (printed before workers start) says a rank will not fit "
+                           "its GPU, or its share of host RAM on CPU: error = exit 2 naming the smallest change "
+                           "that fits; warn = say so and start anyway", choices=["error", "warn"])
     nan_policy: str = _f("skip", "on a non-finite loss or gradient norm: skip the step or stop",
                          choices=["skip", "stop"])
     max_nan_skips: int = _f(5, "stop after this many consecutive skipped steps", min=1)

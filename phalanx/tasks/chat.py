@@ -127,6 +127,11 @@ class ChatTask(TaskBase):
             return shuffled_order(len(self.train_set), lazy=True)
         return length_grouped_order(self.train_set.lengths, t.micro_batch_size, unit=t.global_batch_size)
 
+    @staticmethod
+    def model_for(cfg: Config, vocab_size: int, special_id: int):
+        """The architecture from the config alone (the memory plan reads its shapes on the meta device)."""
+        return causal_lm(cfg.model, vocab_size, special_id)
+
     def define_model(self) -> torch.nn.Module:
         """The architecture, with the base model's vocabulary grown by the chat template's tokens where it
         has none: the loader fills their embedding rows by mean resizing (model/load.py)."""

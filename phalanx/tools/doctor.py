@@ -23,15 +23,13 @@ import torch
 import torch.distributed as tdist
 
 from phalanx.core import host
-from phalanx.core.config import ConfigError, check_world, hub_name, load_config
+from phalanx.core.config import ConfigError, check_world, load_config
 from phalanx.core.dist import free_port, pick_backend
-from phalanx.core.registry import TASKS
-from phalanx.tasks import get_task
 from phalanx.tools.launch import parse_nnodes
+from phalanx.tools import memplan
+from phalanx.tools.memplan import gpu_memory
 
 GB = 2 ** 30
-# Measured here: a worker process of a tiny model holds ~370 MB resident (torch, transformers, Gloo).
-FRAMEWORK_HOST_BYTES = 0.4 * GB
 
 
 def add_arguments(p) -> None:
@@ -92,27 +90,6 @@ def check_devices(rep: Report, nproc: int) -> dict:
     if not torch.cuda.is_available():
         rep.add("ok", "cuda", "no CUDA device visible (CPU training with gloo)")
     return avail
-
-
-def _gpu_memory_child(queue) -> None:
-    queue.put([(torch.cuda.get_device_name(i), *torch.cuda.mem_get_info(i)) for i in range(torch.cuda.device_count())])
-
-
-def gpu_memory() -> list[tuple[str, int, int]]:
-    """(name, free bytes, total bytes) of every visible GPU, read in a child process that exits before the
-    workers of the all-reduce check start: a CUDA context held here (~0.5 GB on every GPU) would make
-    exclusive-process GPUs refuse those workers. `free` is net of one context (the child's), which is what
-    a worker will also need, so nothing more is subtracted for it."""
-    if not torch.cuda.is_available():  # device_count/is_available ask NVML: no context here
-        return []
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_gpu_memory_child, args=(queue,), daemon=True)
-    child.start()
-    try:
-        return queue.get(timeout=120)
-    finally:
-        child.join(timeout=10)
 
 
 def check_port(rep: Report, endpoint: str) -> None:
@@ -243,63 +220,34 @@ def check_run_dir(rep: Report, run_dir: Path, needed_bytes: float = 0.0) -> None
     rep.add(verdict, "run folder", detail)
 
 
-# ---- memory estimate from a config ------------------------------------------------------------
-def model_on_meta(cfg):
-    """The config's model with shapes but no storage (nothing is allocated or downloaded)."""
-    import transformers  # only here: a second of start-up that the other checks do not need
-
-    task = get_task(cfg.task)
-    with torch.device("meta"):
-        if cfg.model.pretrained:
-            config = transformers.AutoConfig.from_pretrained(hub_name(cfg.model.pretrained), local_files_only=True)
-            return getattr(transformers, task.AUTO_MODEL).from_config(config)
-        return task.model_for(cfg, cfg.data.vocab_size, 0)
-
-
-def estimate_memory(cfg, world: int) -> dict:
-    """Bytes per rank of weights, gradients, AdamW state and activations of one micro-batch (an upper
-    estimate: activations per layer s·b·h·(34 + 5·a·s/h) bytes at 16 bits, Korthikanti et al. 2022,
-    doubled for fp32, plus the LM head's logits kept three times over in fp32)."""
-    model = model_on_meta(cfg)
-    n = sum(p.numel() for p in model.parameters())
-    mc = model.config
-    layers, h, heads = mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads
-    s = get_task(cfg.task).sequence_length(cfg)
-    b = cfg.train.micro_batch_size
-    shard = world if cfg.train.strategy == "fsdp" else 1
-    act_scale = 1.0 if cfg.train.precision in ("bf16", "fp16") else 2.0
-    activations = layers * s * b * h * (34 + 5 * heads * s / h) * act_scale
-    if TASKS[cfg.task].token_logits:
-        activations += 3 * b * s * mc.vocab_size * 4
-    gathered = 2 * 4 * n / max(layers, 1) if shard > 1 else 0  # FSDP: a block unsharded (+ prefetch)
-    return {"parameters": n, "weights": 4 * n / shard + gathered, "gradients": 4 * n / shard,
-            "optimizer": 8 * n / shard, "activations": activations}
-
-
+# ---- memory plan from a config -----------------------------------------------------------------
 def check_memory(rep: Report, cfg, world: int, nproc: int, backend: str, avail: dict) -> float:
-    """Batch plan and memory per rank vs available; returns the disk bytes checkpoints will need."""
-
+    """Batch plan and the memory plan per rank (memplan.py, as the launcher prints it) vs available;
+    returns the disk bytes checkpoints will need."""
     try:
         accum = check_world(cfg, world)
         rep.add("ok", "batch plan", f"global {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} "
                                     f"x world {world} x accum {accum}")
     except ConfigError as e:
         rep.add("problem", "batch plan", str(e))
-    try:
-        est = estimate_memory(cfg, world)
-    except Exception as e:  # e.g. a hub model that is not in the local cache
-        rep.add("warning", "memory estimate", f"could not build the model's shapes: {type(e).__name__}: {e}")
         return 0.0
-    on_gpu = backend == "nccl"
-    total = sum(v for k, v in est.items() if k != "parameters")
-    have = avail.get("cuda", 0) if on_gpu else avail["host"] - FRAMEWORK_HOST_BYTES  # gpu: net of a context
-    parts = ", ".join(f"{k} {est[k] / GB:.2f}" for k in ("weights", "gradients", "optimizer", "activations"))
-    detail = (f"{est['parameters'] / 1e6:,.1f}M parameters; per rank about {total / GB:.2f} GB ({parts} GB) vs "
-              f"{have / GB:.2f} GB available per {'GPU' if on_gpu else 'process'}")
-    verdict = "problem" if total > have else "warning" if total > 0.8 * have else "ok"
-    rep.add(verdict, "memory estimate", detail + (" -- does not fit" if verdict == "problem" else ""))
-    checkpoint = 12 * est["parameters"]  # fp32 weights + AdamW moments
-    return checkpoint * (cfg.train.keep_checkpoints + 1) + 4 * est["parameters"]
+    try:
+        shapes = memplan.shapes(cfg)
+    except Exception as e:  # e.g. a hub model that is not in the local cache
+        rep.add("warning", "memory plan", f"could not build the model's shapes: {type(e).__name__}: {e}")
+        return 0.0
+    device = "cuda" if backend == "nccl" else "cpu"
+    have = avail.get("cuda", 0) if device == "cuda" else avail["host"]
+    plan = memplan.estimate(cfg, shapes, world, device, have)
+    detail = f"{shapes.parameters / 1e6:,.1f}M parameters; " + plan.line().removeprefix("memory plan: ")
+    if plan.fits:
+        verdict = "warning" if plan.peak > 0.85 * have else "ok"
+    else:
+        fix = memplan.suggest(cfg, shapes, world, device, have)
+        verdict, detail = "problem", detail + " -- does not fit" + (f"; try {fix}" if fix else "")
+    rep.add(verdict, "memory plan", detail)
+    checkpoint = 12 * shapes.parameters  # fp32 weights + AdamW moments
+    return checkpoint * (cfg.train.keep_checkpoints + 1) + 4 * shapes.parameters
 
 
 # ---- command ----------------------------------------------------------------------------------

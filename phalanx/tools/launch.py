@@ -49,6 +49,7 @@ from phalanx.run.checkpoint import CheckpointError, check_safe, read_meta, resol
 from phalanx.run.watchdog import summarize
 from phalanx.run.worker import serve
 from phalanx.tasks import get_task, prepare_data
+from phalanx.tools import memplan
 from phalanx.tools.failures import FailureReporter, GroupFailure, failure_line_of  # noqa: F401 (predict)
 from phalanx.tools.oomwatch import MemoryWatch
 
@@ -115,6 +116,16 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
                           f"'{cfg.model.pretrained}' (its files differ); use --fresh to start over")
 
 
+def plan_memory(cfg: Config, nproc_per_node: int, nnodes: str) -> None:
+    """The memory plan per rank, said before any worker starts (exit 2 when it does not fit and
+    train.memory_check=error). The fewest nodes elastic membership allows is the largest FSDP shard."""
+    backend = dist.pick_backend(cfg.dist.backend)
+    device = "cuda" if backend == "nccl" else "cpu"
+    gpus = memplan.gpu_memory() if device == "cuda" else []
+    memplan.check(cfg, parse_nnodes(nnodes)[0] * nproc_per_node, nproc_per_node, device,
+                  min((free for _, free, _ in gpus), default=None), say=lambda text: print(text, flush=True))
+
+
 def check_hardware(cfg: Config) -> None:
     """train.precision, train.cpu_offload and train.compile against the device the workers will use (errors only; each
     worker prints the warnings, e.g. emulated fp16 on CPU, with the precision it picked)."""
@@ -168,6 +179,7 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     check_multinode(nnodes, rdzv_endpoint, fresh)
     # --fresh: the old run goes aside below, so its checkpoints are not this run's to check
     preflight(dataclasses.replace(cfg, resume="never") if fresh else cfg, nproc_per_node, nnodes, force_resume)
+    plan_memory(cfg, nproc_per_node, nnodes)
     prepare_data(cfg)
     if fresh:  # only now: a refused command leaves the run folder where it was
         old = move_aside(run_dir)

@@ -1,0 +1,223 @@
+"""The memory plan: what one rank will hold at its peak, from the config alone, before any worker starts.
+`phalanx doctor CONFIG` prints it, the launcher prints it in its start line and, when it does not fit,
+stops (train.memory_check=error, exit 2) or warns, naming the smallest change that fits.
+
+Per rank, for AdamW in fp32 master weights (P parameters, T of them trainable, S = the shard count: the
+world size under FSDP, else 1):
+    weights       4 P / S                      (FSDP: + the largest unit all-gathered, twice: prefetch)
+    gradients     4 T / S
+    optimizer     8 T / S                      (exp_avg, exp_avg_sq)
+    activations   a · L · s · b · h            per micro-batch of b sequences of s tokens, L blocks of width h;
+                                               with checkpointing: 4 · s · b · h per block (its input) + one
+                                               block's a · s · b · h (its recompute)
+    logits        12 · b · s · V               (token-level heads: fp32 logits, log-softmax, its gradient)
+    runtime       the process itself (torch, transformers, Gloo/NCCL; on a GPU the CUDA context)
+The peak is the larger of two moments: the start of backward (weights, optimizer state, activations and
+logits, but no gradients yet: they are freed after each step; DDP keeps its gradient buckets throughout)
+and the optimizer step (weights, gradients, optimizer state). `a` (bytes per token per block per unit of
+width) was measured here for each architecture in fp32 (bf16/fp16 autocast keeps about 0.6 of it):
+peaks of real steps (VmHWM above an idle worker) on GPT-2 and Llama shapes from 4 M to 300 M parameters.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from phalanx.core.config import Config, ConfigError, check_world, hub_name
+from phalanx.core.registry import TASKS
+
+GB = 2 ** 30
+# bytes of saved activations per (token x block x width unit), fp32, measured on CPU (see the docstring)
+ACTIVATION_BYTES = {"gpt2": 200.0, "llama": 190.0}
+HALF_ACTIVATIONS = 0.6       # what bf16/fp16 autocast keeps of them
+RUNTIME = {"cpu": 0.5 * GB, "cuda": 0.3 * GB}  # a worker before training here / cuBLAS workspaces, allocator slack (unmeasured)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the plan needs of a model, read from its config on the meta device (nothing allocated)."""
+    arch: str
+    parameters: int
+    trainable: int
+    layers: int
+    hidden: int
+    vocab: int
+    largest_unit: int    # parameters of the largest FSDP unit: a block, or the root (embeddings, head)
+
+
+@dataclass
+class Plan:
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    runtime: float
+    peak: float
+    available: float
+    device: str          # 'GPU' or 'process' (host RAM / local processes)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.available
+
+    def line(self) -> str:
+        parts = ", ".join(f"{k} {getattr(self, k) / GB:.2f}" for k in
+                          ("weights", "gradients", "optimizer", "activations", "logits", "runtime"))
+        return (f"memory plan: about {self.peak / GB:.2f} GB per rank at the peak ({parts} GB) vs "
+                f"{self.available / GB:.2f} GB per {self.device}")
+
+
+def shapes(cfg: Config) -> Shapes:
+    import transformers  # only here: ~2 s, and only what the plan needs
+
+    from phalanx.tasks import get_task
+
+    task = get_task(cfg.task)
+    with torch.device("meta"):
+        if cfg.model.pretrained:
+            config = transformers.AutoConfig.from_pretrained(hub_name(cfg.model.pretrained), local_files_only=True)
+            model = getattr(transformers, task.AUTO_MODEL).from_config(config)
+        else:
+            model = task.model_for(cfg, cfg.data.vocab_size, 0)
+    mc = model.config
+    blocks = next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)), [])
+    per_block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    total = sum(p.numel() for p in model.parameters())
+    root = total - sum(sum(p.numel() for p in b.parameters()) for b in blocks)
+    return Shapes(arch=mc.model_type, parameters=total, trainable=_trainable(model, cfg, total),
+                  layers=mc.num_hidden_layers, hidden=mc.hidden_size, vocab=mc.vocab_size,
+                  largest_unit=max(per_block, root))
+
+
+def _trainable(model, cfg: Config, total: int) -> int:
+    """LoRA: r x (in + out) per adapted linear layer (all but the head when no names are given); else all."""
+    lora = cfg.model.lora
+    if not lora.r:
+        return total
+    count = 0
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        is_linear = isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+        wanted = any(name.endswith(t) for t in lora.target_modules) if lora.target_modules else \
+            name.rsplit(".", 1)[-1] not in ("lm_head", "score")
+        if is_linear and weight is not None and wanted:
+            count += lora.r * sum(weight.shape)
+    return count
+
+
+def _checkpointing(cfg: Config) -> str:
+    return getattr(cfg.train, "activation_checkpointing", "none")
+
+
+def estimate(cfg: Config, s: Shapes, world: int, device: str, available: float) -> Plan:
+    t = cfg.train
+    shard = world if t.strategy == "fsdp" and world > 1 else 1
+    half = t.precision in ("bf16", "fp16") or (t.precision == "auto" and device == "cuda")
+    per_token = ACTIVATION_BYTES.get(s.arch, max(ACTIVATION_BYTES.values())) * (HALF_ACTIVATIONS if half else 1.0)
+    tokens = t.micro_batch_size * _sequence(cfg)
+    mode = _checkpointing(cfg)
+    if mode == "none":
+        activations = per_token * s.layers * tokens * s.hidden
+    else:  # block inputs kept, one block recomputed at a time (every_k: the others as without it)
+        every = max(1, getattr(t, "activation_checkpointing_every", 1)) if mode == "every_k" else 1
+        kept = s.layers - s.layers // every
+        activations = (4 * (s.layers - kept) + per_token * (kept + 1)) * tokens * s.hidden
+    logits = 12.0 * tokens * s.vocab if TASKS[cfg.task].token_logits else 0.0
+    weights = 4.0 * s.parameters / shard + (2 * 4.0 * s.largest_unit if shard > 1 else 0.0)
+    gradients, optimizer = 4.0 * s.trainable / shard, 8.0 * s.trainable / shard
+    buckets = gradients if t.strategy == "ddp" and world > 1 else 0.0  # DDP keeps its gradient buckets
+    runtime = RUNTIME["cuda" if device == "cuda" else "cpu"]
+    peak = runtime + max(weights + optimizer + buckets + activations + logits, weights + gradients + optimizer)
+    return Plan(weights, gradients, optimizer, activations, logits, runtime, peak, available,
+                "GPU" if device == "cuda" else "process")
+
+
+def _sequence(cfg: Config) -> int:
+    from phalanx.tasks import get_task
+
+    return get_task(cfg.task).sequence_length(cfg)
+
+
+def available(device: str, local_world: int, gpu_bytes: float | None = None) -> float:
+    """Memory one rank may use: its GPU's, or this host's available RAM shared by the local processes."""
+    if device == "cuda":
+        return float(gpu_bytes or 0.0)
+    return psutil.virtual_memory().available / max(local_world, 1)
+
+
+def suggest(cfg: Config, s: Shapes, world: int, device: str, avail: float) -> str | None:
+    """The smallest change that fits: activation checkpointing, fsdp, a smaller micro-batch with the same
+    global batch, then these together; None when nothing listed fits."""
+    t = cfg.train
+    options = []
+    if _checkpointing(cfg) == "none" and hasattr(t, "activation_checkpointing"):
+        options.append(("train.activation_checkpointing=full", {"activation_checkpointing": "full"}))
+    if t.strategy == "ddp" and world > 1 and not cfg.model.lora.r:
+        options.append(("train.strategy=fsdp", {"strategy": "fsdp"}))
+    m = t.micro_batch_size // 2
+    while m >= 1:
+        if t.global_batch_size % (m * world) == 0:
+            options.append((f"train.micro_batch_size={m} (global batch unchanged: more accumulation)",
+                            {"micro_batch_size": m}))
+        m //= 2
+    singles = list(options)
+    for (a, ca), (b, cb) in ((x, y) for i, x in enumerate(singles) for y in singles[i + 1:]):
+        if set(ca) & set(cb):
+            continue
+        options.append((f"{a} and {b}", {**ca, **cb}))
+    for text, change in options:
+        trial = dataclasses.replace(cfg, train=dataclasses.replace(t, **change))
+        if estimate(trial, s, world, device, avail).fits:
+            return text
+    return None
+
+
+def check(cfg: Config, world: int, local_world: int, device: str, gpu_bytes: float | None = None,
+          say=print) -> Plan | None:
+    """The launcher's memory plan: said in one line; a plan that does not fit is exit 2 (memory_check=error)
+    or a warning, naming the smallest change that fits. None when the model's shapes cannot be read
+    (e.g. a hub model not in the local cache: the loaders will say so)."""
+    check_world(cfg, world)
+    try:
+        s = shapes(cfg)
+    except Exception as e:  # shapes only; the real loaders report the real problem
+        say(f"phalanx: memory plan: skipped (cannot read the model's shapes: {type(e).__name__})")
+        return None
+    plan = estimate(cfg, s, world, device, available(device, local_world, gpu_bytes))
+    say(f"phalanx: {plan.line()}")
+    if not plan.fits:
+        fix = suggest(cfg, s, world, device, plan.available)
+        text = (f"the memory plan does not fit: about {plan.peak / GB:.2f} GB per rank, {plan.available / GB:.2f} GB "
+                f"per {plan.device}; " + (f"try {fix}" if fix else "use a smaller model, more processes or a larger "
+                                                                 "device"))
+        if cfg.train.memory_check == "error":
+            raise ConfigError(f"config key 'train.memory_check': {text} (or train.memory_check=warn to try anyway)")
+        say(f"phalanx: warning: {text}")
+    return plan
+
+
+def _gpu_memory_child(queue) -> None:
+    queue.put([(torch.cuda.get_device_name(i), *torch.cuda.mem_get_info(i)) for i in range(torch.cuda.device_count())])
+
+
+def gpu_memory() -> list[tuple[str, int, int]]:
+    """(name, free bytes, total bytes) of every visible GPU, read in a child process that exits before any
+    worker starts: a CUDA context held by the launcher or doctor (~0.5 GB on every GPU) would make
+    exclusive-process GPUs refuse the workers. `free` is net of one context (the child's), which is what
+    a worker will also need, so nothing more is subtracted for it."""
+    if not torch.cuda.is_available():  # device_count/is_available ask NVML: no context here
+        return []
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_gpu_memory_child, args=(queue,), daemon=True)
+    child.start()
+    try:
+        return queue.get(timeout=120)
+    finally:
+        child.join(timeout=10)

@@ -1,0 +1,74 @@
+"""The memory plan (tools/memplan.py): its arithmetic, its suggestion, the launcher's exit 2 before any
+worker starts, and its figure against a measured run."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from conftest import SHAKESPEARE, metrics, phalanx
+
+from phalanx.core.config import load_config
+from phalanx.tools import memplan
+
+GB = memplan.GB
+
+
+def cfg_of(*overrides):
+    return load_config(None, list(overrides))
+
+
+def test_fsdp_shards_what_the_optimizer_holds_and_lora_trains_little():
+    base = cfg_of("model.n_layer=8", "model.n_embd=512", "model.n_head=8")
+    s = memplan.shapes(base)
+    ddp = memplan.estimate(base, s, 4, "cpu", 100 * GB)
+    fsdp = memplan.estimate(dataclasses.replace(base, train=dataclasses.replace(base.train, strategy="fsdp")), s, 4,
+                            "cpu", 100 * GB)
+    assert ddp.weights == 4 * s.parameters and ddp.optimizer == 8 * s.parameters
+    assert fsdp.optimizer == pytest.approx(ddp.optimizer / 4) and fsdp.gradients == pytest.approx(ddp.gradients / 4)
+    assert fsdp.weights == pytest.approx(s.parameters + 8 * s.largest_unit)  # shard + a unit gathered twice
+    lora = cfg_of("task=chat", "model.n_layer=8", "model.n_embd=512", "model.n_head=8", "model.lora.r=8")
+    ls = memplan.shapes(lora)
+    assert ls.trainable < 0.05 * ls.parameters
+    assert memplan.estimate(lora, ls, 1, "cpu", 100 * GB).optimizer < 0.05 * ddp.optimizer
+
+
+def test_a_plan_that_does_not_fit_names_the_smallest_change():
+    cfg = cfg_of("model.block_size=512", "train.micro_batch_size=32", "train.global_batch_size=64")
+    s = memplan.shapes(cfg)
+    plan = memplan.estimate(cfg, s, 1, "cpu", 4 * GB)
+    assert not plan.fits
+    fix = memplan.suggest(cfg, s, 1, "cpu", 4 * GB)
+    assert fix and fix.startswith("train.")
+    key, value = fix.split()[0].split("=")
+    section, name = key.split(".")
+    fixed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{name: type(getattr(cfg.train, name))(value)}))
+    assert memplan.estimate(fixed, s, 1, "cpu", 4 * GB).fits
+    assert memplan.suggest(cfg, s, 1, "cpu", 0.1 * GB) is None  # nothing small enough: no false promise
+
+
+def test_launcher_refuses_before_any_worker(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    proc = phalanx("train", f"data.train={SHAKESPEARE}", f"data.cache_dir={cache_dir}", "--run-dir", run,
+                   "model.n_layer=48", "model.n_embd=4096", "model.n_head=32")
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "memory plan does not fit" in line and "GB per rank" in line and "GB per process" in line
+    assert not (run / "logs").exists() and not (run / "config.yaml").exists()
+    said = []
+    cfg = cfg_of("model.n_layer=48", "model.n_embd=4096", "model.n_head=32", "train.memory_check=warn")
+    plan = memplan.check(cfg, 1, 1, "cpu", say=said.append)
+    assert not plan.fits and any("warning: the memory plan does not fit" in line for line in said)
+
+
+def test_the_plan_is_within_15_percent_of_a_measured_run(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    args = ["model.n_layer=8", "model.n_embd=512", "model.n_head=8", "model.block_size=128",
+            "train.micro_batch_size=8", "train.global_batch_size=16", "train.max_steps=3", "train.log_every=1",
+            "train.eval_every=0", "train.eval_max_samples=8", "log.progress=off"]
+    proc = phalanx("train", f"data.train={SHAKESPEARE}", f"data.cache_dir={cache_dir}", "--run-dir", run, *args,
+                   check=True, timeout=240)
+    planned = float(next(line for line in proc.stdout.splitlines() if "memory plan:" in line)
+                    .split("about ")[1].split(" GB")[0]) * GB
+    measured = max(max(m["ranks/host_peak_mb"]) for m in metrics(run) if "ranks/host_peak_mb" in m) * 2 ** 20
+    assert abs(planned / measured - 1) < 0.15, (planned / GB, measured / GB)

@@ -116,7 +116,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
         monitor.close()
         return {"preempted": True, "step": state.step}
     run.probe(state.step, Phase.EXPORT)
-    export_final(tr.model, task, folder, info)
+    export_final(tr.model, task, folder, info, t.export_shard_mb)
     return _finish(run, tr, task, state, eval_metrics, accum)
 
 

@@ -123,7 +123,8 @@ class LMTask(TaskBase):
         return self.batch_tokens(batch)  # packed: no padding
 
     def loss_sum(self, model, batch: dict) -> torch.Tensor:
-        logits = model(input_ids=batch["input_ids"]).logits
+        # no key/value cache: nothing reads it, and a checkpointed block's recompute would append to it again
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
         return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                                ignore_index=IGNORE, reduction="sum")
 

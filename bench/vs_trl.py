@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from vs_trl_runs import (BLOCK, checkpoint_optimizer, first_step, lora_at_gpt2_small, phalanx_cmd,
-                         phalanx_effective, phalanx_rate, run, setup, trl_cmd, trl_rate)
+                         phalanx_effective, phalanx_rate, phalanx_version, run, setup, trl_cmd, trl_rate)
 
 PADDED_MICRO, ACCUM, NPROC = 4, 2, 2  # padded global batch: 4 x 2 x 2 = 16 conversations
 TARGETS = {"defaults": 1.5, "same": 1.0, "lora_state": 0.05}
@@ -159,7 +159,7 @@ def main() -> None:
     p.add_argument("--sides", default="", help="comma-separated sides (default: see the docstring)")
     p.add_argument("--skip-first-step", action="store_true")
     a = p.parse_args()
-    started = time.time()
+    started, version = time.time(), phalanx_version()
     s = setup(Path(tempfile.mkdtemp(prefix="phalanx-vs-trl-")), PADDED_MICRO * NPROC * ACCUM, NPROC * ACCUM)
     checks = s["checks"]
     pk = checks["packing"]
@@ -198,7 +198,10 @@ def main() -> None:
     print(f"\n({NPROC} processes x 1 thread a side on a {Path('/proc/cpuinfo').read_text().count('processor')}-core "
           f"machine shared with other work; median of {a.repeats} alternating runs of {a.steps} steps, first "
           f"{a.warmup} untimed; block {BLOCK}; {(time.time() - started) / 60:.1f} min in all; work folder {s['work']}; "
-          f"{' '.join(sys.argv)})")
+          f"{' '.join(sys.argv)}; phalanx {version})")
+    if phalanx_version() != version:
+        print(f"warning: phalanx/ changed on disk during the benchmark ({version} -> {phalanx_version()}): "
+              f"its runs did not all measure the same code")
 
 
 if __name__ == "__main__":

@@ -130,13 +130,27 @@ def phalanx_rate(run_dir: Path, warmup: int, supervised_fraction: float) -> dict
 
 
 def phalanx_effective(run_dir: Path, s: dict) -> dict:
-    """What phalanx ran with: world size (summary.json), precision (its start line), attention and
-    gradient checkpointing (the model phalanx's own builder makes for this config)."""
+    """What phalanx ran with: world size (summary.json), precision (its start line), activation
+    checkpointing (the run's config.yaml; phalanx applies it per block itself) and attention (the model
+    phalanx's own builder makes for this config)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     start = (run_dir.parent / f"{run_dir.name}.log").read_text()
     precision = re.search(r"precision (\S+?),", start)
+    ckpt = re.search(r"^\s+activation_checkpointing: (\S+)", (run_dir / "config.yaml").read_text(), re.M)
     return {"world": summary["world_size"], "precision": precision.group(1) if precision else "?",
-            "attn": s["phalanx_attn"], "gc": s["phalanx_gc"], "trainable": summary["trainable_parameters"]}
+            "attn": s["phalanx_attn"], "gc": bool(ckpt) and ckpt.group(1) not in ("none", "false"),
+            "trainable": summary["trainable_parameters"]}
+
+
+def phalanx_version() -> str:
+    """The commit and a digest of phalanx/ as it is on disk (other people edit the tree while this runs)."""
+    import hashlib
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout
+    h = hashlib.sha256()
+    for f in sorted((REPO / "phalanx").rglob("*.py")):
+        h.update(f.read_bytes())
+    return f"{head.strip()} + phalanx/ {h.hexdigest()[:10]}"
 
 
 def trl_rate(prefix: Path, nproc: int, warmup: int) -> dict:
@@ -241,7 +255,7 @@ def setup(work: Path, per_step: int, divisor: int) -> dict:
             "first": work / "first.jsonl", "first_n": n, "first_rows": first_rows, "checks": checks,
             "mean_len": mean_len, "pack_eff": pack_eff, "supervised_fraction": checks["mask"]["supervised_fraction"],
             "rows_micro": max(1, round(per_step * mean_len / (pack_eff * BLOCK) / divisor)),
-            "phalanx_attn": model.config._attn_implementation, "phalanx_gc": model.is_activation_checkpointing}
+            "phalanx_attn": model.config._attn_implementation}
 
 
 # ---- the first-step loss -----------------------------------------------------------------------------------

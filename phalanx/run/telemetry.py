@@ -181,7 +181,7 @@ class Telemetry:
         self.info, self.monitor, self.n_params = info, monitor, n_params
         self.clock = clock or StepClock()
         self.pending: list = []  # (marks, comm) of steps whose times are not read yet
-        self.loss = None  # this rank's loss sum over the window, on the device in float64 (exact as Python's)
+        self.loss = None  # CUDA: this rank's loss sum over the window, on the GPU in float64 (as exact as Python's)
         self.full = log_cfg.telemetry
         self.comm = CommTimer.attach(wrapped, info) if self.full else None
         self.comm_measured = self.full and (self.comm is not None or info.world_size == 1)
@@ -210,8 +210,11 @@ class Telemetry:
         for key, value in (("steps", 1), ("tokens", r.local_tokens), ("samples", self.samples_per_step),
                            ("targets", r.count), ("global_tokens", r.tokens), ("useful", r.useful)):
             w[key] += value
-        loss = r.loss_sum.detach().double()  # no host read: the sum stays queued on the device
-        self.loss = loss if self.loss is None else self.loss + loss
+        if self.clock.on_device:  # no host read: the sum stays queued on the GPU until collect()
+            loss = r.loss_sum.detach().double()
+            self.loss = loss if self.loss is None else self.loss + loss
+        else:
+            w["loss"] += float(r.loss_sum)
         self.pending.append((r.marks, self.comm.take(r.marks.host_at(BACKWARD)) if self.comm else (0.0, 0.0)))
         if not self.clock.on_device or len(self.pending) > READ_AHEAD:
             self._account(wait=False)
@@ -240,9 +243,9 @@ class Telemetry:
     def collect(self, step: int) -> dict:
         """Gather the window from every rank (a collective: all ranks call it); rank 0 gets the keys."""
         start = self.clock.now()
-        self.window["loss"] = float(self.loss) if self.loss is not None else 0.0  # waits for the GPU: once a window
+        if self.loss is not None:  # CUDA: waits for the GPU, once a window
+            self.window["loss"], self.loss = float(self.loss), None
         self._account(wait=True)
-        self.loss = None
         resources = self._resources() if self.full else []
         rows = dist.all_gather_floats([self.window[k] for k in WINDOW] + resources, self.info)
         self.window = dict.fromkeys(WINDOW, 0.0)

@@ -90,6 +90,7 @@ def write_sharded(model: torch.nn.Module, entries, out: Path, info: dist.DistInf
     from safetensors.torch import save_file  # lazy: only the sharded export needs it
 
     files = plan_files(entries, limit)
+    out.mkdir(parents=True, exist_ok=True)  # every writer: nodes may not share a file system
     names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = None

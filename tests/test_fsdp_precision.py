@@ -1,4 +1,5 @@
-"""FSDP2 against DDP, checkpoints across strategies, mixed precision, torch.compile, NCCL settings."""
+"""FSDP2 against DDP, checkpoints across strategies, activation checkpointing and the sharded export under
+FSDP2, mixed precision (autocast; FSDP2's policy), torch.compile, NCCL settings."""
 from __future__ import annotations
 
 import json
@@ -79,6 +80,41 @@ def test_ddp_checkpoint_resumes_under_fsdp(ddp2_reference, tmp_path, cache_dir):
     _close(train_losses(run), train_losses(ddp2_reference), range(6, 11), FSDP_RTOL)
 
 
+def test_activation_checkpointing_under_fsdp_changes_nothing(fsdp2, tmp_path, cache_dir):
+    """FSDP2's hooks stay outside the recomputed region: losses, gradient norms and the exported weights
+    are bitwise those of the run without checkpointing (10 steps, 2 processes)."""
+    run = tmp_path / "fsdp-ac"
+    phalanx(*lm_args(run, cache_dir, *REFERENCE, "train.strategy=fsdp", "train.activation_checkpointing=full"),
+            "--nproc-per-node", 2, check=True, timeout=240)
+    norms = lambda r: {m["step"]: m["grad_norm"] for m in metrics(r) if "grad_norm" in m and "event" not in m}  # noqa: E731
+    assert train_losses(run) == train_losses(fsdp2) and norms(run) == norms(fsdp2)
+    got, want = final_params(run), final_params(fsdp2)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_sharded_export_loads_to_the_logits_of_the_single_file_export(fsdp2, tmp_path, cache_dir):
+    """The fsdp run's last checkpoint exported again with train.export_shard_mb below the model's size: both
+    ranks write files (each tensor gathered to its writer only) and model.safetensors.index.json; plain
+    transformers loads it to exactly the logits of the single-file export."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "sharded"
+    phalanx(*lm_args(run, cache_dir, *REFERENCE, "train.strategy=fsdp", "train.export_shard_mb=0.05"),
+            "--nproc-per-node", 2, "--resume", fsdp2 / "checkpoints" / "step_000010", check=True, timeout=240)
+    final = run / "final"
+    index = json.loads((final / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 4 and sorted(p.name for p in final.glob("model-*.safetensors")) == files
+    assert not (final / "model.safetensors").exists() and "lm_head.weight" not in index["weight_map"]
+    ids = torch.arange(40).reshape(2, 20)
+    single = AutoModelForCausalLM.from_pretrained(fsdp2 / "final").eval()
+    sharded = AutoModelForCausalLM.from_pretrained(final).eval()
+    with torch.no_grad():
+        assert torch.equal(sharded(input_ids=ids).logits, single(input_ids=ids).logits)
+    assert sharded.lm_head.weight.data_ptr() == sharded.transformer.wte.weight.data_ptr()
+    assert json.loads((final / "config.json").read_text()) == json.loads((fsdp2 / "final" / "config.json").read_text())
+
+
 @pytest.mark.slow
 def test_fsdp_launches_exit_cleanly_every_time(tmp_path, cache_dir):
     """DESIGN.md pitfall 2 (FSDP2 once aborted at exit in 5 launches): 6 short launches, all exit 0."""
@@ -97,10 +133,21 @@ SMALL = ["train.global_batch_size=4", "train.micro_batch_size=4", "train.max_ste
          "train.checkpoint_every=2", "train.eval_max_samples=8"]
 
 
+@pytest.fixture(scope="module")
+def autocast_bf16(tmp_path_factory, cache_dir):
+    """One process, bf16 autocast alone (no FSDP), a checkpoint every 2 steps: (run folder, its output)."""
+    run = tmp_path_factory.mktemp("bf16")
+    return run, phalanx(*lm_args(run, cache_dir, *SMALL, "train.precision=bf16"), check=True, timeout=240)
+
+
 @pytest.mark.parametrize("prec", ["bf16", "fp16"])
-def test_mixed_precision_runs_and_resumes_exactly(prec, tmp_path, cache_dir):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    proc = phalanx(*lm_args(full, cache_dir, *SMALL, f"train.precision={prec}"), check=True, timeout=240)
+def test_mixed_precision_runs_and_resumes_exactly(prec, tmp_path, cache_dir, request):
+    resumed = tmp_path / "resumed"
+    if prec == "bf16":
+        full, proc = request.getfixturevalue("autocast_bf16")
+    else:
+        full = tmp_path / "full"
+        proc = phalanx(*lm_args(full, cache_dir, *SMALL, f"train.precision={prec}"), check=True, timeout=240)
     assert f"precision {prec}" in proc.stdout
     meta = json.loads((full / "checkpoints" / "step_000002" / "meta.json").read_text())
     if prec == "fp16":
@@ -115,6 +162,31 @@ def test_mixed_precision_runs_and_resumes_exactly(prec, tmp_path, cache_dir):
     if prec == "fp16":
         assert end["scaler"]["_growth_tracker"] == 4  # continued from 2, not restarted from 0
     assert train_losses(full)[1] == pytest.approx(math.log(512), abs=0.1)  # an untrained model's loss
+
+
+# FSDP2 with bf16: MixedPrecisionPolicy (parameters gathered in bf16, gradients reduced in fp32) under autocast;
+# the dtypes themselves are checked in tests/test_big_models.py. 2 processes x micro 2 = the global batch of 4.
+FSDP_BF16 = ["train.strategy=fsdp", "train.precision=bf16", "train.micro_batch_size=2", "dist.threads_per_worker=1",
+             "dist.backend=gloo"]
+
+
+def test_fsdp_bf16_resumes_an_autocast_checkpoint_within_1e2(autocast_bf16, tmp_path, cache_dir):
+    """A checkpoint written under autocast alone (one process) resumes under FSDP2's bf16 policy (two), and
+    the losses stay within 1e-2 relative of autocast's."""
+    full, _ = autocast_bf16
+    run = tmp_path / "fsdp-bf16"
+    phalanx(*lm_args(run, cache_dir, *SMALL, *FSDP_BF16), "--nproc-per-node", 2,
+            "--resume", full / "checkpoints" / "step_000002", check=True, timeout=240)
+    assert sorted(train_losses(run)) == [3, 4]
+    _close(train_losses(run), train_losses(full), (3, 4), 1e-2)
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_from_scratch_within_1e2_of_autocast(autocast_bf16, tmp_path, cache_dir):
+    full, _ = autocast_bf16
+    run = tmp_path / "fsdp-bf16"
+    phalanx(*lm_args(run, cache_dir, *SMALL, *FSDP_BF16), "--nproc-per-node", 2, check=True, timeout=240)
+    _close(train_losses(run), train_losses(full), range(1, 5), 1e-2)
 
 
 def test_a_nan_under_fp16_is_a_nan_not_a_scaler_overflow(tmp_path, cache_dir):

@@ -85,12 +85,30 @@ def run(cmd: list[str], log: Path, work: Path, timeout: float = 900) -> dict[int
     return sampler.peak
 
 
+def data_args(s: dict, data: Path | None, extra) -> list[str]:
+    return [str(REPO / "examples" / "chat.yaml"), f"model.pretrained={s['base']}", f"data.train={data or s['train']}",
+            f"data.validation={s['val']}", f"data.cache_dir={s['work'] / 'cache'}", f"model.block_size={BLOCK}",
+            *[x for x in extra if x.startswith("data.")]]
+
+
+def phalanx_prepared(s: dict, extra=(), data: Path | None = None) -> None:
+    """`phalanx prepare` once per data variant, before its first `phalanx train` (untimed either way). Also a
+    work-around: since c8791ca `phalanx train`'s launcher imports transformers in a memory-plan thread while
+    the main thread prepares, and the chat task's tokenizer import then fails ("cannot import name
+    'AutoTokenizer'") unless the data is already prepared."""
+    args = data_args(s, data, extra)
+    done = s.setdefault("prepared", set())
+    if tuple(args) not in done:
+        log = s["work"] / f"prepare-{len(done)}.log"
+        run([sys.executable, "-m", "phalanx", "prepare", *args, "--quiet"], log, s["work"])
+        done.add(tuple(args))
+
+
 def phalanx_cmd(s: dict, out: Path, steps: int, micro: int, global_batch: int, nproc: int, log_every: int,
                 extra=(), data: Path | None = None) -> list[str]:
+    phalanx_prepared(s, extra, data)
     o = OPTIM
-    return [sys.executable, "-m", "phalanx", "train", str(REPO / "examples" / "chat.yaml"),
-            f"model.pretrained={s['base']}", f"data.train={data or s['train']}", f"data.validation={s['val']}",
-            f"data.cache_dir={s['work'] / 'cache'}", f"model.block_size={BLOCK}", f"train.max_steps={steps}",
+    return [sys.executable, "-m", "phalanx", "train", *data_args(s, data, ()), f"train.max_steps={steps}",
             f"train.log_every={log_every}", "train.eval_every=0", "train.eval_max_samples=8",
             "train.checkpoint_every=0", f"train.lr={o['lr']}", f"train.warmup_steps={o['warmup']}",
             f"train.min_lr_ratio={o['min_lr_ratio']}", f"train.weight_decay={o['weight_decay']}",

@@ -17,7 +17,6 @@ import signal
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NoReturn
 
@@ -180,10 +179,10 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     check_multinode(nnodes, rdzv_endpoint, fresh)
     # --fresh: the old run goes aside below, so its checkpoints are not this run's to check
     preflight(dataclasses.replace(cfg, resume="never") if fresh else cfg, nproc_per_node, nnodes, force_resume)
-    with ThreadPoolExecutor(1) as pool:  # the plan reads the model's shapes (~1-2 s) while the data is checked
-        planned = pool.submit(plan_memory, cfg, nproc_per_node, nnodes)
-        prepare_data(cfg)
-        planned.result()  # a plan that does not fit: ConfigError, still before any worker starts
+    # Not overlapped with the data step in a thread: transformers' lazy imports are not thread-safe (a chat
+    # tokenizer import failed while the plan imported a model class).
+    plan_memory(cfg, nproc_per_node, nnodes)
+    prepare_data(cfg)
     if fresh:  # only now: a refused command leaves the run folder where it was
         old = move_aside(run_dir)
         if old:

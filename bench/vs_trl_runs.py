@@ -92,10 +92,9 @@ def data_args(s: dict, data: Path | None, extra) -> list[str]:
 
 
 def phalanx_prepared(s: dict, extra=(), data: Path | None = None) -> None:
-    """`phalanx prepare` once per data variant, before its first `phalanx train` (untimed either way). Also a
-    work-around: since c8791ca `phalanx train`'s launcher imports transformers in a memory-plan thread while
-    the main thread prepares, and the chat task's tokenizer import then fails ("cannot import name
-    'AutoTokenizer'") unless the data is already prepared."""
+    """`phalanx prepare` once per data variant, before its first `phalanx train` (untimed either way; it also
+    kept the bench running while c8791ca's launcher imported transformers in a thread beside the data step,
+    which failed the chat tokenizer's import, since undone)."""
     args = data_args(s, data, extra)
     done = s.setdefault("prepared", set())
     if tuple(args) not in done:

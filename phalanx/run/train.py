@@ -116,8 +116,11 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
         monitor.close()
         return {"preempted": True, "step": state.step}
     run.probe(state.step, Phase.EXPORT)
+    # counted before the export: a LoRA export merges the adapters into the base in place
+    counts = {"parameters": count_parameters(tr.model),
+              "trainable_parameters": sum(p.numel() for p in tr.model.parameters() if p.requires_grad)}
     export_final(tr.model, task, folder, info, t.export_shard_mb)
-    return _finish(run, tr, task, state, eval_metrics, accum)
+    return _finish(run, tr, task, state, eval_metrics, accum, counts)
 
 
 @dataclass
@@ -372,15 +375,14 @@ def _non_finite(run: Run, state: TrainState, bad_micro: float) -> None:
     run.monitor.log({"step": step + 1, "event": "nan_skip", "where": where})
 
 
-def _finish(run: Run, tr: Trainee, task, state: TrainState, eval_metrics: dict, accum: int) -> dict:
+def _finish(run: Run, tr: Trainee, task, state: TrainState, eval_metrics: dict, accum: int, counts: dict) -> dict:
     """The summary (RUN/summary.json) and the closing lines."""
     cfg, info, t, now = run.cfg, run.info, run.cfg.train, time.time()
     summary = {
         "task": cfg.task, "name": cfg.name, "world_size": info.world_size, "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.micro_batch_size, "grad_accum": accum, "steps": state.step,
         "tokens_seen": state.tokens_seen, "samples_seen": state.samples_seen,
-        "nan_skipped_steps": state.nan_skips, "parameters": count_parameters(tr.model),
-        "trainable_parameters": sum(p.numel() for p in tr.model.parameters() if p.requires_grad),
+        "nan_skipped_steps": state.nan_skips, **counts,
         "train_time_s": round(state.train_time_s, 3),
         "tokens_per_s": state.tokens_seen / max(state.train_time_s, 1e-9),
         "wall_time_s": round(now - run.started_at, 3),

@@ -10,6 +10,8 @@
 # 3. contexts (>= 2 GPUs): while 2 workers train, each process holds a context on one GPU only
 # 4. throughput: the benchmark model (examples/shakespeare.yaml shape): fp32 / bf16 / +compile on one
 #    GPU, DDP vs FSDP2 and one vs two launchers with >= 2 GPUs; tokens/s and MFU
+# 4b. big model: a ~1B Llama built the FSDP2 way on one GPU (bench/gpu_big_check.py): tokens/s, MFU, peak memory
+#    against the memory plan, with/without activation checkpointing and with CPU offload; the sharded export
 # Exit status: non-zero if any check fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +47,8 @@ if [ "$NGPU" -ge 2 ]; then
   echo "== contexts"
   $PY bench/strategies.py --check-contexts --data "$DATA" --work "$WORK/ctx" || status=1
 fi
+echo "== big model (FSDP2 on a 1-device mesh, bf16 policy, activation checkpointing, CPU offload, sharded export)"
+$PY bench/gpu_big_check.py || status=1
 echo "== throughput"
 $PY bench/strategies.py --device cuda --steps 60 --warmup 10 --data "$DATA" --work "$WORK/tp" || status=1
 echo "== gpu_check: $([ $status -eq 0 ] && echo PASS || echo FAIL)"

@@ -1,0 +1,142 @@
+"""Models larger than one device, checked on one GPU (a stage of bench/gpu_check.sh; ~5 minutes on an H200).
+
+A ~1B-parameter Llama-style model is generated on the device (no hub), built the FSDP2 way — meta device,
+fully_shard per block then the root, forced on a 1-device mesh (the trainer's wrap skips sharding at
+world 1, and NCCL refuses two ranks on one GPU), local shards materialised and initialised by name — and
+trained for a few steps with bf16 + MixedPrecisionPolicy (16-bit gathers, fp32 reduce), with and without
+activation checkpointing, and with CPU offload. For each: tokens/s, MFU, peak device memory (allocated,
+and reserved by the caching allocator) against the memory plan's figure, parameter/gradient/optimizer
+dtypes; then the sharded export is read back by plain transformers (same logits as the trained model).
+
+    python bench/gpu_big_check.py [--steps 6] [--batch 4] [--seq 2048] [--layers 16] [--width 2048]
+Exit status: non-zero if a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from phalanx.core import dist
+from phalanx.core.config import load_config
+from phalanx.model.build import causal_lm, quiet_transformers
+from phalanx.model.checkpointing import apply_activation_checkpointing
+from phalanx.model.optim import build_optimizer
+from phalanx.model.shard import Builder, fsdp_shard
+from phalanx.run.export import write_hf
+from phalanx.run.telemetry import flops_per_token, peak_tflops
+from phalanx.tools import memplan
+
+GB = 2 ** 30
+
+
+def build(cfg, info, checkpointing: str, offload: bool):
+    shard = partial(fsdp_shard, device=info.device, world_size=1, param_dtype=torch.bfloat16, cpu_offload=offload)
+    prepare = partial(apply_activation_checkpointing, mode=checkpointing) if checkpointing != "none" else None
+    builder = Builder(seed=1, device=torch.device("cpu") if offload else info.device, shard=shard, prepare=prepare,
+                      buffer_device=info.device if offload else None)
+    return builder.build(lambda: causal_lm(cfg.model, cfg.data.vocab_size, 0))
+
+
+def train(model, cfg, info, ids, steps: int) -> dict:
+    opt = build_optimizer(model, cfg.train)
+    losses, times = [], []
+    for _ in range(steps):
+        if info.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast(info.device.type, dtype=torch.bfloat16):
+            logits = model(input_ids=ids, use_cache=False).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        times.append(time.perf_counter() - t0)
+    p = next(model.parameters())
+    state = next(iter(opt.state.values()))
+    return {"losses": [round(v, 4) for v in losses], "step_s": sorted(times[1:])[len(times[1:]) // 2],
+            "param_dtype": str(p.dtype), "optimizer_dtype": str(state["exp_avg"].dtype)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--width", type=int, default=2048)
+    args = p.parse_args()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist.free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    cuda = torch.cuda.is_available()  # without one: a small smoke run of the same code on the CPU (Gloo)
+    info = dist.setup("nccl" if cuda else "gloo")
+    device = info.device.type
+    quiet_transformers()
+    cfg = load_config(None, ["model.arch=llama", f"model.n_layer={args.layers}", f"model.n_embd={args.width}",
+                             f"model.n_head={args.width // 128}", f"model.block_size={args.seq}", "data.vocab_size=32000",
+                             f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch}",
+                             "train.precision=bf16", "train.strategy=fsdp"], check_paths=False)
+    shapes = memplan.shapes(cfg)
+    ids = torch.randint(0, 32000, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(info.device)
+    peak, source = peak_tflops(0.0, info.device, torch.bfloat16)
+    name = torch.cuda.get_device_name() if cuda else "CPU (smoke run)"
+    fpt = flops_per_token(shapes.parameters, shapes.layers, shapes.hidden, args.seq)
+    print(f"{name}: {shapes.parameters / 1e9:.2f} B parameters, batch {args.batch} x {args.seq}, "
+          f"peak {peak} TFLOP/s ({source})", flush=True)
+    ok, rows = True, []
+    for ckpt, offload in (("none", False), ("full", False), ("full", True)) if cuda else (("none", False), ("full", False)):
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        model = build(cfg, info, ckpt, offload)
+        r = train(model, cfg, info, ids, args.steps)
+        case = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, activation_checkpointing=ckpt))
+        plan = memplan.estimate(case, shapes, 1, device, torch.cuda.get_device_properties(0).total_memory if cuda else 0)
+        tokens_s = args.batch * args.seq / r["step_s"]
+        r.update(activation_checkpointing=ckpt, cpu_offload=offload, tokens_per_s=round(tokens_s),
+                 mfu=round(fpt * tokens_s / 1e12 / peak, 4) if peak else None,
+                 peak_allocated_gb=round(torch.cuda.max_memory_allocated() / GB, 2) if cuda else None,
+                 peak_reserved_gb=round(torch.cuda.max_memory_reserved() / GB, 2) if cuda else None,
+                 planned_gb=round(plan.peak / GB, 2) if not offload else None)
+        ok &= all(v == v for v in r["losses"]) and r["losses"][-1] < r["losses"][0]
+        ok &= r["param_dtype"] == "torch.float32" and r["optimizer_dtype"] == "torch.float32"
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        if ckpt == "full" and not offload:  # the sharded export, read back by plain transformers
+            from transformers import AutoModelForCausalLM
+
+            folder = tempfile.mkdtemp(prefix="phalanx-export-")
+            write_hf(model, type("NoTokenizer", (), {"save_pretrained": lambda self, o: None})(), folder, info=info,
+                     shard_mb=512 if cuda else 1)
+            back = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(info.device).eval()
+            with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+                diff = (model.eval()(input_ids=ids[:1, :256], use_cache=False).logits.float()
+                        - back(input_ids=ids[:1, :256], use_cache=False).logits.float()).abs().max().item()
+            files = len([f for f in os.listdir(folder) if f.startswith("model-")])
+            print(json.dumps({"sharded_export_files": files, "max_abs_logit_diff": diff}), flush=True)
+            ok &= files > 1 and diff < 0.1
+            del back
+        del model
+    print("\n| activation ckpt | cpu offload | tokens/s | MFU | peak allocated GB | reserved GB | planned GB | step s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['activation_checkpointing']} | {r['cpu_offload']} | {r['tokens_per_s']} | "
+              f"{r['mfu'] if r['mfu'] is not None else '-'} | {r['peak_allocated_gb']} | {r['peak_reserved_gb']} | "
+              f"{r['planned_gb'] or '-'} | {r['step_s']:.3f} |")
+    dist.teardown()
+    print(f"gpu_big_check: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

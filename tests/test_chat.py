@@ -261,3 +261,24 @@ def test_bad_chat_input_is_exit_2_before_any_worker(tmp_path, talk, base, cache_
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "r1" / "logs").exists()
     proc = phalanx(*chat_args(tmp_path / "r2", talk, cache_dir, f"model.pretrained={base}", "model.block_size=256"))
     assert proc.returncode == 2 and "model.block_size" in proc.stderr and "128 positions" in proc.stderr
+
+
+def test_lora_refuses_another_base_and_fsdp(tmp_path, talk, base, cache_dir):
+    """Adapters only make sense on the base they were trained on: a changed base folder is exit 2 at resume
+    (even with --force-resume); FSDP2 + LoRA is exit 2 before any worker starts."""
+    import shutil
+
+    own = tmp_path / "base"
+    shutil.copytree(base, own)
+    run = tmp_path / "run"
+    args = chat_args(run, talk, cache_dir, *LORA, f"model.pretrained={own}", "train.max_steps=3")
+    phalanx(*args, check=True, timeout=240)
+    phalanx(*[a if a != "train.max_steps=3" else "train.max_steps=4" for a in args], "--force-resume", check=True,
+            timeout=240)  # the same base: resumes
+    (own / "config.json").write_text((own / "config.json").read_text() + "\n")  # another base, same path
+    for extra in ([], ["--force-resume"]):
+        proc = phalanx(*[a if a != "train.max_steps=3" else "train.max_steps=5" for a in args], *extra)
+        assert proc.returncode == 2 and "trained from another base model" in proc.stderr, proc.stderr[-2000:]
+    proc = phalanx(*chat_args(tmp_path / "fsdp", talk, cache_dir, "model.lora.r=4", "train.strategy=fsdp",
+                              f"model.pretrained={base}"), "--nproc-per-node", 2)
+    assert proc.returncode == 2 and "model.lora.r" in proc.stderr and not (tmp_path / "fsdp" / "logs").exists()

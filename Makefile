@@ -27,7 +27,7 @@ demo: setup          ## the main job on its built-in default (small GPT on stdli
 	$(BIN)/phalanx train --nproc-per-node 2
 
 test: setup          ## the test suite CI runs (slow-marked tests excluded)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" --durations=25
 
 test-all: setup      ## every test, slow ones included
 	$(BIN)/python -m pytest -q

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SHAKESPEARE, final_params, phalanx, train_losses
-from safetensors import safe_open
 
 from phalanx.core.config import load_config
 from phalanx.core.errors import ConfigError

@@ -64,7 +64,10 @@ def test_every_command_on_the_tasks_example(task, data, tmp_path, cache_dir):
         args = [str(data[task]) if a == "INPUT" else a for a in args]
         proc = phalanx(command, run, *args, timeout=120)
         if command in spec.uses:
-            assert proc.returncode == 0 and proc.stdout.strip(), (command, proc.stderr[-2000:])
+            assert proc.returncode == 0, (command, proc.stderr[-2000:])
+            # A 2-step chat model may well end its turn at once: its reply can be empty (test_chat.py checks
+            # replies of a trained model); the other commands always print something.
+            assert proc.stdout.strip() or command == "chat", (command, proc.stdout)
         else:
             assert proc.returncode == 2, (command, proc.stderr[-2000:])
             (line,) = proc.stderr.strip().splitlines()

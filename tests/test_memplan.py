@@ -3,7 +3,6 @@ worker starts, and its figure against a measured run."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 from conftest import SHAKESPEARE, metrics, phalanx

@@ -175,7 +175,7 @@ def _expand(command: str, assignments: list[str], env: dict[str, str]) -> list[s
 
 def check_train_command(argv: list[str], tmp_path: Path):
     """What `phalanx train` would check before starting workers, with the data path mapped here."""
-    from phalanx.cli import _split_config_and_overrides, build_parser
+    from phalanx.cli import _split_config_and_overrides, build_parser, nproc_per_node
     from phalanx.core.config import load_config
     from phalanx.tools.launch import check_flags, check_multinode, preflight
 
@@ -186,6 +186,7 @@ def check_train_command(argv: list[str], tmp_path: Path):
     overrides = [f"data.train={SHAKESPEARE}" if o.startswith("data.train=") else o for o in overrides]
     overrides = [o for o in overrides if not o.startswith("data.cache_dir=")]
     cfg = load_config(str(REPO / config), [*overrides, f"run_dir={tmp_path / 'run'}"])
+    args.nproc_per_node = nproc_per_node(args.nproc_per_node, cfg.dist.backend)  # as cmd_train does
     check_flags(args.nproc_per_node, args.nnodes, args.rdzv_endpoint, args.rdzv_id, args.max_restarts)
     check_multinode(args.nnodes, args.rdzv_endpoint, args.fresh)
     preflight(cfg, args.nproc_per_node, args.nnodes)

@@ -15,7 +15,7 @@ from torch import nn
 from phalanx.core.config import ModelConfig, TrainConfig, hub_name
 from phalanx.model import precision
 from phalanx.model.checkpointing import apply_activation_checkpointing
-from phalanx.model.shard import Builder, fsdp_shard, transformer_blocks  # noqa: F401  (transformer_blocks: re-exported)
+from phalanx.model.shard import Builder, fsdp_shard
 
 # Master weights are fp32 whatever dtype a checkpoint was saved in: the architecture is defined in fp32 and
 # load.py upcasts 16-bit checkpoints as it copies them (a bf16/fp16 hub model would otherwise train 16-bit
@@ -172,6 +172,3 @@ def tie_shared(state: dict, model: nn.Module) -> dict:
             state[name] = state[owner]
     return state
 
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)

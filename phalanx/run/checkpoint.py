@@ -149,9 +149,6 @@ class Checkpointer:
     def complete(self) -> list[Path]:
         return complete_in(self.root)
 
-    def latest(self) -> Path | None:
-        return latest_in(self.root)
-
     def load(self, path: Path, states: CheckpointDict) -> dict:
         """Collective: load the checkpoint at `path` into `states`; returns its meta.json. Per-rank entries
         load only if the world size is the one that saved them (each rank then continues its own)."""

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from phalanx.core import dist
 from phalanx.core.runfolder import RunFolder
-from phalanx.model.build import tie_shared, unwrap
+from phalanx.model.build import tie_shared
 from phalanx.model.slices import local, rows
 
 DEFAULT_SHARD_MB = 2048.0  # train.export_shard_mb's default
@@ -53,7 +53,6 @@ def export_final(model: torch.nn.Module, task, folder: RunFolder, info: dist.Dis
 def write_hf(model: torch.nn.Module, tokenizer, out: Path, *, info: dist.DistInfo,
              shard_mb: float = DEFAULT_SHARD_MB) -> None:
     """Collective: the model (FSDP2 shards included) in the Hugging Face layout, with the tokenizer."""
-    model = unwrap(model)
     entries = export_entries(model)
     if sum(_nbytes(t) for _, t in entries) <= shard_mb * 2**20:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from phalanx.run.sinks import JsonlSink, open_sinks  # noqa: F401  (JsonlSink: re-exported)
+from phalanx.run.sinks import open_sinks
 
 
 class Progress:

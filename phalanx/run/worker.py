@@ -18,7 +18,7 @@ from typing import Callable, NoReturn
 import torch.distributed as tdist
 
 from phalanx.core.config import Config, ConfigError, load_config
-from phalanx.core.runfolder import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, RunFolder
+from phalanx.core.runfolder import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, RunFolder
 from phalanx.run.state import StopTraining
 from phalanx.run.train import train
 

@@ -50,7 +50,7 @@ from phalanx.run.watchdog import summarize
 from phalanx.run.worker import serve
 from phalanx.tasks import get_task, prepare_data
 from phalanx.tools import memplan
-from phalanx.tools.failures import FailureReporter, GroupFailure, failure_line_of  # noqa: F401 (predict)
+from phalanx.tools.failures import FailureReporter, GroupFailure
 from phalanx.tools.oomwatch import MemoryWatch
 
 

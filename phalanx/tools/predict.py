@@ -20,7 +20,8 @@ from phalanx.data import classify_inputs
 from phalanx.model.build import load_classifier
 from phalanx.run.evaluate import eval_shard
 from phalanx.tasks.classify import predict_probs
-from phalanx.tools.launch import failure_line_of, run_workers
+from phalanx.tools.failures import failure_line_of
+from phalanx.tools.launch import run_workers
 
 
 def add_arguments(p) -> None:

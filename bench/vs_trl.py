@@ -1,7 +1,7 @@
 """phalanx chat SFT vs TRL's SFTTrainer: defaults, the same math, the first-step loss, LoRA vs full.
 
 Same machine, 2 processes a side (TRL through torchrun + bench/trl_side.py: `accelerate launch --cpu
---num_processes 2` runs one process here, DESIGN.md pitfall 10 — the world size each side ran with is
+--num_processes 2` silently runs one process on this machine — the world size each side ran with is
 read back and printed), 1 thread each. Same model: a 4 x 256 GPT-2 (BPE 4096 trained by phalanx on its
 built-in corpus, 256 positions) whose tokenizer gets phalanx's ChatML template (`ensure_template`, with
 {% generation %} markers) before save_pretrained, so both sides render and mask with one template. Same

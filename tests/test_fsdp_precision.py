@@ -117,7 +117,7 @@ def test_sharded_export_loads_to_the_logits_of_the_single_file_export(fsdp2, tmp
 
 @pytest.mark.slow
 def test_fsdp_launches_exit_cleanly_every_time(tmp_path, cache_dir):
-    """DESIGN.md pitfall 2 (FSDP2 once aborted at exit in 5 launches): 6 short launches, all exit 0."""
+    """FSDP2 once aborted at exit in 1 of 5 launches (torch 2.13, Gloo): 6 short launches, all exit 0."""
     for i in range(6):
         run = tmp_path / f"r{i}"
         proc = phalanx(*lm_args(run, cache_dir, "train.max_steps=2", "train.eval_max_samples=8",

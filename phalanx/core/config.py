@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from phalanx.core.errors import ConfigError  # noqa: F401  (re-exported: `from phalanx.config import ConfigError`)
+from phalanx.core.errors import ConfigError  # also re-exported: `from phalanx.core.config import ConfigError`
 from phalanx.core.faults import parse_fault
 from phalanx.core.registry import TASKS
 from phalanx.core.runfolder import write_text

@@ -119,9 +119,10 @@ def run_case(tree: Path, work: Path, name: str, size: float, extra: list[str], a
     why = next((line for line in out.splitlines()[::-1] if line.startswith("phalanx:")), "") if failed else ""
     return {"strategy": name, "size_b": size, "ok": not failed, "why": why[:160], "wall_s": round(time.time() - t0, 1),
             "private_peak_gb": [round(peaks[r] / 2 ** 30, 2) for r in sorted(peaks) if r >= 0],
-            "peak_rss_gb": [round(v / 1024, 2) for v in hwm], "planned_gb": planned, "step_s": statistics.median(times) if times else None,
-            "parameters": json.loads((run / "summary.json").read_text())["parameters"] if (run / "summary.json").exists()
-            else None}
+            "peak_rss_gb": [round(v / 1024, 2) for v in hwm], "planned_gb": planned,
+            "step_s": statistics.median(times) if times else None,
+            "parameters": json.loads((run / "summary.json").read_text())["parameters"]
+            if (run / "summary.json").exists() else None}
 
 
 def plan_of(size: float, extra: list[str], args) -> float:

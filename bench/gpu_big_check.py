@@ -83,7 +83,8 @@ def main() -> int:
     device = info.device.type
     quiet_transformers()
     cfg = load_config(None, ["model.arch=llama", f"model.n_layer={args.layers}", f"model.n_embd={args.width}",
-                             f"model.n_head={args.width // 128}", f"model.block_size={args.seq}", "data.vocab_size=32000",
+                             f"model.n_head={args.width // 128}", f"model.block_size={args.seq}",
+                             "data.vocab_size=32000",
                              f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch}",
                              "train.precision=bf16", "train.strategy=fsdp"], check_paths=False)
     shapes = memplan.shapes(cfg)
@@ -94,14 +95,16 @@ def main() -> int:
     print(f"{name}: {shapes.parameters / 1e9:.2f} B parameters, batch {args.batch} x {args.seq}, "
           f"peak {peak} TFLOP/s ({source})", flush=True)
     ok, rows = True, []
-    for ckpt, offload in (("none", False), ("full", False), ("full", True)) if cuda else (("none", False), ("full", False)):
+    cases = (("none", False), ("full", False), ("full", True)) if cuda else (("none", False), ("full", False))
+    for ckpt, offload in cases:
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         model = build(cfg, info, ckpt, offload)
         r = train(model, cfg, info, ids, args.steps)
         case = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, activation_checkpointing=ckpt))
-        plan = memplan.estimate(case, shapes, 1, device, torch.cuda.get_device_properties(0).total_memory if cuda else 0)
+        capacity = torch.cuda.get_device_properties(0).total_memory if cuda else 0
+        plan = memplan.estimate(case, shapes, 1, device, capacity)
         tokens_s = args.batch * args.seq / r["step_s"]
         r.update(activation_checkpointing=ckpt, cpu_offload=offload, tokens_per_s=round(tokens_s),
                  mfu=round(fpt * tokens_s / 1e12 / peak, 4) if peak else None,
@@ -127,7 +130,8 @@ def main() -> int:
             ok &= files > 1 and diff < 0.1
             del back
         del model
-    print("\n| activation ckpt | cpu offload | tokens/s | MFU | peak allocated GB | reserved GB | planned GB | step s |")
+    print("\n| activation ckpt | cpu offload | tokens/s | MFU | peak allocated GB | reserved GB | planned GB "
+          "| step s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['activation_checkpointing']} | {r['cpu_offload']} | {r['tokens_per_s']} | "

@@ -111,7 +111,7 @@ class TreeWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def start(self) -> "TreeWatch":
+    def start(self) -> TreeWatch:
         self._thread.start()
         return self
 

@@ -35,7 +35,7 @@ def once(work: Path, cache: Path, timeout: float) -> dict:
     except subprocess.TimeoutExpired:
         return {"exit": "TIMEOUT (hang)", "wall_s": timeout}
     wall = time.time() - t0
-    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     ckpt5 = next(m for m in lines if m.get("event") == "checkpoint" and m["step"] == 5)
     resumed = next(m for m in lines if m.get("event") == "resumed")
     step6 = next(m for m in lines if m.get("step") == 6 and "loss" in m)

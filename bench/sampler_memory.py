@@ -23,8 +23,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     a = p.parse_args()
     print("| order | peak memory MB | epoch set-up + batches s |\n|---|---|---|")
-    for name, make in (("stored permutation (data orders 1-2)", lambda: permutation(a.blocks, np.random.default_rng(1))),
-                       ("Feistel, per batch (data order 3)", lambda: FeistelPermutation(a.blocks, np.random.default_rng(1)))):
+    for name, make in (("stored permutation (data orders 1-2)",
+                        lambda: permutation(a.blocks, np.random.default_rng(1))),
+                       ("Feistel, per batch (data order 3)",
+                        lambda: FeistelPermutation(a.blocks, np.random.default_rng(1)))):
         tracemalloc.start()
         t0 = time.perf_counter()
         order = make()

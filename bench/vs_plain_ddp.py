@@ -55,7 +55,7 @@ def run_phalanx(nproc, threads, steps, work, cache, extra) -> tuple[tuple[float,
            "train.eval_max_samples=8", "--nproc-per-node", str(nproc), "--run-dir", str(run), *extra]
     t0 = time.time()
     subprocess.run(cmd, check=True, capture_output=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     pts = [(m["step"], m["time_s"], int(m["tokens_per_s"] * m["step_time_s"])) for m in lines
            if "loss" in m and "event" not in m]
     return rate(pts), pts[0][1] - t0
@@ -68,7 +68,7 @@ def run_plain(nproc, threads, steps, tokens_file, optimizer) -> tuple[tuple[floa
     t0 = time.time()
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
-    lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     pts = [(m["step"], m["time_s"], m["tokens"]) for m in lines]
     return rate(pts), pts[0][1] - t0
 
@@ -80,7 +80,8 @@ def main() -> None:
     p.add_argument("--extra", nargs="*", default=[], help="extra phalanx overrides for every phalanx run")
     p.add_argument("--plain-optimizer", choices=["fused", "foreach", "loop"], default="fused",
                    help="the plain loop's AdamW implementation (phalanx's default on CPU: fused)")
-    p.add_argument("--variants", default="bf16,compile", help=f"phalanx columns beside the defaults: {','.join(VARIANTS)}")
+    p.add_argument("--variants", default="bf16,compile",
+                   help=f"phalanx columns beside the defaults: {','.join(VARIANTS)}")
     a = p.parse_args()
     variants = [v for v in a.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -96,12 +97,14 @@ def main() -> None:
     tokens_file = work / "tokens.npy"
     np.save(tokens_file, tokens.slice(0, len(tokens)))
     results = {}
-    for rep in range(a.repeats):
+    for _ in range(a.repeats):
         for shape in SHAPES:
             for impl, extra in impls.items():  # alternating, so machine noise hits every column
-                fn = (lambda: run_plain(*shape, a.steps, tokens_file, a.plain_optimizer)) if extra is None else \
-                    (lambda: run_phalanx(*shape, a.steps, work, cache, extra))
-                results.setdefault((impl, shape), []).append(fn())
+                if extra is None:
+                    result = run_plain(*shape, a.steps, tokens_file, a.plain_optimizer)
+                else:
+                    result = run_phalanx(*shape, a.steps, work, cache, extra)
+                results.setdefault((impl, shape), []).append(result)
     # Best of the repeats: noise on a shared machine only ever slows a run down.
     best = {k: (max(r[0] for r, _ in v), max(r[1] for r, _ in v), min(s for _, s in v)) for k, v in results.items()}
     # Paired: each phalanx run against the plain run just before it, then the median over repeats,
@@ -116,15 +119,16 @@ def main() -> None:
     print("\n" + head)
     for shape in SHAPES:
         (pr, pm, ps), (xr, xm, xs) = best[("plain", shape)], best[("phalanx", shape)]
-        row = f"{f'{shape[0]} proc x {shape[1]} thread':<20}{pr:>12.0f}{xr:>15.0f}{xr / pr:>7.3f}{xm / pm:>21.3f}{paired[shape]:>14.3f}"
+        row = (f"{f'{shape[0]} proc x {shape[1]} thread':<20}{pr:>12.0f}{xr:>15.0f}{xr / pr:>7.3f}{xm / pm:>21.3f}"
+               f"{paired[shape]:>14.3f}")
         row += "".join(f"{f'{best[(v, shape)][0]:.0f} ({best[(v, shape)][0] / pr:.2f})':>30}" for v in variants)
         row += f"{f'{ps:.1f}/{xs:.1f}':>26}" + "".join(f"{f'/{best[(v, shape)][2]:.1f}':>9}" for v in variants)
         print(row)
     for impl in ("plain", "phalanx", *variants):
         speedup = best[(impl, (2, 1))][0] / best[(impl, (1, 1))][0]
         print(f"2-process speedup over 1 process x 1 thread ({impl}): {speedup:.2f}x")
-    print(f"(best of {a.repeats} alternating runs; paired ratio: median over the {a.repeats} pairs; {a.steps} steps, first {WARMUP} skipped; "
-          f"extra: {a.extra or 'none'}; plain loop: AdamW {a.plain_optimizer}, clip 1.0)")
+    print(f"(best of {a.repeats} alternating runs; paired ratio: median over the {a.repeats} pairs; {a.steps} steps, "
+          f"first {WARMUP} skipped; extra: {a.extra or 'none'}; plain loop: AdamW {a.plain_optimizer}, clip 1.0)")
 
 
 if __name__ == "__main__":

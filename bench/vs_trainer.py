@@ -145,11 +145,14 @@ def main() -> None:
         ours = med[(task, "phalanx")]
         if (task, "trainer") not in med:  # --sides without the Trainer: only the telemetry cost
             off = med[(task, "phalanx-telem-off")]["step_s"]
-            print(f"| {task} | telemetry cost: median step time on / off - 1 | {100 * (ours['step_s'] / off - 1):+.1f}% |")
+            print(f"| {task} | telemetry cost: median step time on / off - 1 | "
+                  f"{100 * (ours['step_s'] / off - 1):+.1f}% |")
             continue
         same = "trainer-grouped" if (task, "trainer-grouped") in med else "trainer"
-        print(f"| {task} | defaults: phalanx / trainer (useful tok/s) | {ours['useful_tps'] / med[(task, 'trainer')]['useful_tps']:.2f}x |")
-        print(f"| {task} | same math: phalanx / {same} (useful tok/s) | {ours['useful_tps'] / med[(task, same)]['useful_tps']:.2f}x |")
+        defaults = ours["useful_tps"] / med[(task, "trainer")]["useful_tps"]
+        same_math = ours["useful_tps"] / med[(task, same)]["useful_tps"]
+        print(f"| {task} | defaults: phalanx / trainer (useful tok/s) | {defaults:.2f}x |")
+        print(f"| {task} | same math: phalanx / {same} (useful tok/s) | {same_math:.2f}x |")
         off = med[(task, "phalanx-telem-off")]["step_s"]
         print(f"| {task} | telemetry cost: median step time on / off - 1 | {100 * (ours['step_s'] / off - 1):+.1f}% |")
     print(f"\n({a.nproc} processes x 1 thread; median of {a.repeats} alternating runs; first {a.warmup} steps "

@@ -202,8 +202,9 @@ def checkpoint_optimizer(run_dir: Path) -> tuple[int, int]:
 
 
 def lora_at_gpt2_small(r: int) -> tuple[int, int]:
-    """(trained by LoRA, trained by full fine-tuning) parameters of phalanx's LoRA (model.lora.r=r, its default targets) on GPT-2 small's
-    shape (12 x 768, vocab 50257; random init, nothing downloaded): the 5% target at a realistic size."""
+    """(trained by LoRA, trained by full fine-tuning) parameters of phalanx's LoRA (model.lora.r=r, its default
+    targets) on GPT-2 small's shape (12 x 768, vocab 50257; random init, nothing downloaded): the 5% target at a
+    realistic size."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from phalanx.core.config import LoraSettings

@@ -66,7 +66,9 @@ def memory(info, out: Path, folder: str = "") -> None:
         lambda: causal_lm(TINY["gpt2"], 64, 0))  # the imports and first-use costs, before any measurement
     for source in ("scratch", "pretrained") if folder else ("scratch",):
         for path in ("new", "old"):
-            results[f"{source}-{path}"] = measure(lambda: build(info, path, folder if source == "pretrained" else ""))
+            pretrained = folder if source == "pretrained" else ""
+            results[f"{source}-{path}"] = measure(lambda path=path, pretrained=pretrained:
+                                                  build(info, path, pretrained))
             gc.collect()
             ctypes.CDLL("libc.so.6").malloc_trim(0)
     (out / f"memory-rank{info.rank}.json").write_text(json.dumps(results))
@@ -111,7 +113,7 @@ def logits(info, out: Path, folders: list[str]) -> None:
     ids = torch.arange(24).reshape(2, 12) % TINY_VOCAB
     for k, folder in enumerate(folders):
         model = model_builder(TrainConfig(strategy="fsdp"), info.device, info.world_size, None).build(
-            lambda: causal_lm(ModelConfig(pretrained=folder), 0, 0), folder)
+            lambda folder=folder: causal_lm(ModelConfig(pretrained=folder), 0, 0), folder)
         with torch.no_grad():
             got = model.eval()(input_ids=ids).logits
         tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight

@@ -245,8 +245,8 @@ def test_a_file_gone_after_planning_is_one_line_from_the_readers(tmp_path):
     text.write_text("\n".join(LINES[:100]) + "\n", encoding="utf-8")
     plans = {p: list(pieces.plan(Split(str(p), "data.train", "train"), "auto", (("text", "text"),), 1 << 20))
              for p in (text, rows)}
-    assert [len(list(pieces.text_chunks(plans[text][0]))), len(list(pieces.rows(plans[rows][0], (("text", "text"),))))] \
-        == [1, 1]  # control: readable while the files are there
+    assert [len(list(pieces.text_chunks(plans[text][0]))),
+            len(list(pieces.rows(plans[rows][0], (("text", "text"),))))] == [1, 1]  # control: readable while there
     for path in (text, rows):
         path.unlink()
     with pytest.raises(ConfigError, match=f"data file '{text}': cannot read \\(FileNotFoundError: "):

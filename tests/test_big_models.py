@@ -265,7 +265,7 @@ def test_checkpointing_recomputes_and_gives_bitwise_the_same_loss_and_gradients(
             model = apply_lora(model, LoraSettings(r=4), [])
         calls = []
         attn = next(mod for name, mod in model.named_modules() if name.endswith(("h.0.attn", "layers.0.self_attn")))
-        attn.register_forward_hook(lambda *a: calls.append(1))
+        attn.register_forward_hook(lambda *a, calls=calls: calls.append(1))
         results.append((*_step(model.train(), ids), len(calls)))
     (loss0, grads0, calls0), (loss1, grads1, calls1) = results
     assert (calls0, calls1) == (1, 2)

@@ -33,8 +33,8 @@ def talk(tmp_path_factory) -> Path:
             turns = 1 + i % 3
             messages = ([{"role": "system", "content": "Speak as in a play."}] if i % 4 == 0 else [])
             for k in range(turns):
-                messages += [{"role": "user", "content": lines[i + 2 * k]},
-                             {"role": "assistant", "content": lines[i + 2 * k + 1] + " " * (k % 2) + lines[i + 7][:i % 40]}]
+                reply = lines[i + 2 * k + 1] + " " * (k % 2) + lines[i + 7][:i % 40]
+                messages += [{"role": "user", "content": lines[i + 2 * k]}, {"role": "assistant", "content": reply}]
             f.write(json.dumps({"messages": messages}) + "\n")
     return path
 
@@ -139,7 +139,8 @@ def test_lora_checkpoints_hold_only_what_trains_and_resume_exactly_after_sigkill
     summary = json.loads((lora_run / "summary.json").read_text())
     assert 0 < summary["trainable_parameters"] < 0.2 * summary["parameters"]  # counted before the merge
     run = tmp_path / "killed"
-    proc = phalanx(*chat_args(run, talk, cache_dir, *LORA, f"model.pretrained={base}", "debug.fault=kill:rank=1:step=5"),
+    proc = phalanx(*chat_args(run, talk, cache_dir, *LORA, f"model.pretrained={base}",
+                              "debug.fault=kill:rank=1:step=5"),
                    "--nproc-per-node", 2, "--max-restarts", 1, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
@@ -194,7 +195,8 @@ def test_lora_leaves_the_base_weights_bit_identical(base):
 @pytest.mark.slow
 def test_lora_resumes_on_fewer_processes(lora_run, talk, base, cache_dir, tmp_path):
     run = tmp_path / "two-then-one"
-    first = phalanx(*chat_args(run, talk, cache_dir, *LORA, f"model.pretrained={base}", "debug.fault=kill:rank=1:step=5"),
+    first = phalanx(*chat_args(run, talk, cache_dir, *LORA, f"model.pretrained={base}",
+                               "debug.fault=kill:rank=1:step=5"),
                     "--nproc-per-node", 2, timeout=300)
     assert first.returncode == 1
     phalanx(*chat_args(run, talk, cache_dir, *LORA, f"model.pretrained={base}"), check=True, timeout=300)
@@ -206,8 +208,9 @@ def test_lora_resumes_on_fewer_processes(lora_run, talk, base, cache_dir, tmp_pa
 # ---- fine-tune, then talk ----------------------------------------------------------------------------
 def test_fine_tune_then_chat_gives_the_trained_reply(tmp_path, base, cache_dir):
     data = tmp_path / "four.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
-                            + "\n" for q, a in MEMORISE))
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": a}]}) + "\n"
+                            for q, a in MEMORISE))
     run = tmp_path / "run"
     phalanx(*chat_args(run, data, cache_dir, f"model.pretrained={base}", "data.packing=false", "data.val_fraction=0",
                        "train.global_batch_size=4", "train.micro_batch_size=4", "train.max_steps=120", "train.lr=1e-2",
@@ -247,7 +250,8 @@ def test_bad_records_name_file_line_and_field(tmp_path, cache_dir, fmt, record, 
     path.write_text("\n".join(json.dumps(r) for r in [good, good, record, good]) + "\n")
     cfg = load_config(None, ["task=chat", f"data.train={path}", f"data.cache_dir={tmp_path / 'c'}", *TINY[1:],
                              f"data.chat_format={fmt}"])
-    with pytest.raises(ConfigError, match=f"data file '{path}' line 3: .*" + message.replace("[", r"\[").replace("]", r"\]")):
+    escaped = message.replace("[", r"\[").replace("]", r"\]")
+    with pytest.raises(ConfigError, match=f"data file '{path}' line 3: .*" + escaped):
         prepare.prepare(cfg, chat_store.CHAT, workers=1, progress=False, say=lambda s: None)
     assert not list((tmp_path / "c").glob("chat-*/index.json"))  # nothing half-written is taken as done
 

@@ -51,7 +51,8 @@ def test_every_format_gives_the_same_messages():
     assert alpaca[0] == {"role": "user", "content": "Q\n\nctx"}
     renamed = cv.to_messages({"q": "Q", "a": "A"}, fields("prompt_completion", prompt="q", completion="a"), "x")
     assert renamed[-1] == {"role": "assistant", "content": "A"}
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Q"}]}, {"role": "assistant", "content": "A"}]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Q"}]},
+                          {"role": "assistant", "content": "A"}]}
     assert cv.to_messages(parts, fields("messages"), "x")[0]["content"] == "Q"
 
 

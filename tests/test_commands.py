@@ -20,8 +20,9 @@ SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "data.vocab_siz
 def _texts(folder: Path) -> dict[str, str]:
     talk = folder / "talk.jsonl"
     lines = [line for line in SHAKESPEARE.read_text().splitlines() if line.strip()][:400]
-    talk.write_text("".join(json.dumps({"messages": [{"role": "user", "content": a}, {"role": "assistant", "content": b}]})
-                            + "\n" for a, b in zip(lines[::2], lines[1::2])))
+    talk.write_text("".join(json.dumps({"messages": [{"role": "user", "content": a},
+                                                     {"role": "assistant", "content": b}]}) + "\n"
+                            for a, b in zip(lines[::2], lines[1::2])))
     sst = folder / "sst.jsonl"
     sst.write_text("".join((SST2 / "train.jsonl").read_text().splitlines(keepends=True)[:600]))
     text = folder / "text.txt"
@@ -79,7 +80,8 @@ def test_every_command_on_the_tasks_example(task, data, tmp_path, cache_dir):
     phalanx("doctor", *items, "--nproc-per-node", "1", "--run-dir", tmp_path / "doctor", check=True, timeout=120)
 
     sweep = tmp_path / "sweep.yaml"
-    sweep.write_text(yaml.safe_dump({"config": str(REPO / spec.example), "overrides": dict(i.split("=", 1) for i in items[1:]),
+    sweep.write_text(yaml.safe_dump({"config": str(REPO / spec.example),
+                                     "overrides": dict(i.split("=", 1) for i in items[1:]),
                                      "space": {"train.lr": [1e-3]}, "metric": spec.eval_metrics[0], "trials": 1,
                                      "parallel": 1, "nproc_per_trial": 1, "sampler": "grid"}))
     phalanx("sweep", sweep, "--out", tmp_path / "sw", check=True, timeout=240)

@@ -68,7 +68,7 @@ def test_bad_input_exits_2_before_any_worker(case, tmp_path):
     run_dir = tmp_path / "run"
     proc = phalanx("train", *build(tmp_path), "--run-dir", run_dir, timeout=60)
     assert proc.returncode == 2, proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and fragment in lines[0], proc.stderr
     assert "phalanx: task" not in proc.stdout  # no worker started
     assert not (run_dir / "config.yaml").exists()  # nothing half-written

@@ -14,7 +14,7 @@ def readme() -> str:
 
 def test_readme_opens_with_the_two_setup_commands():
     block = re.search(r"```bash\n(.*?)```", readme(), re.S).group(1)
-    commands = [l.split("#")[0].strip() for l in block.splitlines() if l.strip()]
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
     assert commands == ["make demo", "make test"]
     assert "make test" in (REPO / ".ci" / "run").read_text()
 

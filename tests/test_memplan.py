@@ -41,7 +41,8 @@ def test_a_plan_that_does_not_fit_names_the_smallest_change():
     assert fix and fix.startswith("train.")
     key, value = fix.split()[0].split("=")
     section, name = key.split(".")
-    fixed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{name: type(getattr(cfg.train, name))(value)}))
+    typed = type(getattr(cfg.train, name))(value)
+    fixed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{name: typed}))
     assert memplan.estimate(fixed, s, 1, "cpu", 4 * GB).fits
     assert memplan.suggest(cfg, s, 1, "cpu", 0.1 * GB) is None  # nothing small enough: no false promise
 

@@ -53,7 +53,8 @@ def test_safe_cuts_keep_pre_tokens_and_ids(tmp_path):
     # The rule matters: a cut after every newline would change the pre-tokens of this text.
     naive = [i + 1 for i, ch in enumerate(data) if ch == 0x0A and i + 1 < len(data)]
     changed = [c for c in naive if c not in cuts and
-               [w for s in (data[:c].decode(), data[c:].decode()) for w, _ in tok.pre_tokenizer.pre_tokenize_str(s)] != words]
+               [w for s in (data[:c].decode(), data[c:].decode())
+                for w, _ in tok.pre_tokenizer.pre_tokenize_str(s)] != words]
     assert changed
 
 
@@ -192,7 +193,8 @@ def test_hub_dataset_code_path_streams_a_local_dataset_folder(tmp_path, monkeypa
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # a local folder: never the network
     tok = "data.tokenizer=" + str(tokenizer_dir(tmp_path, TRICKY))
     prepare.prepare(cfg_for(f"hf:{folder}", tmp_path / "hub", tok, "data.val_fraction=0"), LM, 1, progress=False)
-    prepare.prepare(cfg_for(folder / "train.jsonl", tmp_path / "file", tok, "data.val_fraction=0"), LM, 1, progress=False)
+    prepare.prepare(cfg_for(folder / "train.jsonl", tmp_path / "file", tok, "data.val_fraction=0"), LM, 1,
+                    progress=False)
     assert store_bytes(tmp_path / "hub")[0] == store_bytes(tmp_path / "file")[0]
 
 

@@ -105,8 +105,8 @@ def test_the_account_names_the_killed_rank_when_the_survivor_dies_first(tmp_path
     the lost peer, so the agent's next poll finds both dead and logs rank 0 first (earliest whole-second
     timestamp, then the lower rank). Before the ranking this named rank 0 and its Gloo error."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "phalanx", *map(str, args(run, small_text, cache_dir, "debug.fault=kill:rank=1:step=7")),
-           "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "phalanx",
+           *map(str, args(run, small_text, cache_dir, "debug.fault=kill:rank=1:step=7")), "--nproc-per-node", "2"]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -288,11 +288,13 @@ def test_a_checkpoint_from_31751d5_still_resumes(tmp_path, cache_dir):
     wrote it, hence --force-resume; everything else matches."""
     fixture = REPO / "tests" / "fixtures" / "ckpt-31751d5"
     run = tmp_path / "run"
-    proc = phalanx("train", f"data.train={SHAKESPEARE}", f"data.validation={SHAKESPEARE.parents[1] / 'wikitext2' / 'validation.txt'}",
+    proc = phalanx("train", f"data.train={SHAKESPEARE}",
+                   f"data.validation={SHAKESPEARE.parents[1] / 'wikitext2' / 'validation.txt'}",
                    f"data.cache_dir={cache_dir}", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
-                   "model.block_size=32", "data.vocab_size=256", "train.micro_batch_size=4", "train.global_batch_size=8",
-                   "train.max_steps=6", "train.eval_max_samples=8", "train.eval_every=0", "train.warmup_steps=1", "train.log_every=1",
-                   "log.progress=lines", "--run-dir", run, "--resume", fixture, "--force-resume", check=True, timeout=120)
+                   "model.block_size=32", "data.vocab_size=256", "train.micro_batch_size=4",
+                   "train.global_batch_size=8", "train.max_steps=6", "train.eval_max_samples=8", "train.eval_every=0",
+                   "train.warmup_steps=1", "train.log_every=1", "log.progress=lines", "--run-dir", run,
+                   "--resume", fixture, "--force-resume", check=True, timeout=120)
     assert f"resumed from {fixture} at step 4 (saved by world size 2; global sample offset 32" in proc.stdout
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["samples_seen"] == 48 and summary["resumed_from_step"] == 4

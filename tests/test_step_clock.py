@@ -151,7 +151,7 @@ def run_windows(monkeypatch, speeds, on_device, windows=6, steps_per_window=2):
                                        local_tokens=32, marks=marks))
         rows = {}
         for r in (1, 0):  # the gather: rank 1's row reaches rank 0
-            def gather(values, info, r=r):
+            def gather(values, info, r=r, rows=rows):
                 rows[r] = list(values)
                 return [rows.get(0, values), rows[1]]
             monkeypatch.setattr(telemetry_mod.dist, "all_gather_floats", gather)

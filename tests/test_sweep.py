@@ -62,7 +62,8 @@ def test_grid_of_four_two_at_a_time_completes_and_best_yaml_trains(tmp_path, cac
     assert summary["counts"]["COMPLETE"] == 4 and summary["best"]["value"] == min(r["value"] for r in rs)
     best_run = tmp_path / "best-run"
     phalanx("train", out / "best.yaml", "train.max_steps=2", "--run-dir", best_run, check=True)
-    assert yaml.safe_load((best_run / "config.yaml").read_text())["train"]["lr"] == summary["best"]["params"]["train.lr"]
+    best_lr = summary["best"]["params"]["train.lr"]
+    assert yaml.safe_load((best_run / "config.yaml").read_text())["train"]["lr"] == best_lr
     phalanx("report", out, check=True)
     assert len(list((out / "report").glob("*.png"))) == 3
     text = (out / "report.md").read_text()
@@ -142,7 +143,8 @@ def test_ctrl_c_stops_cleanly_and_the_same_command_resumes(tmp_path, cache_dir):
     for r in rs:  # both ranks of a trial ran the parameters the sweep chose
         summary = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
         assert summary["world_size"] == 2 and summary["steps"] == 40
-        assert yaml.safe_load((Path(r["run_dir"]) / "config.yaml").read_text())["train"]["lr"] == r["params"]["train.lr"]
+        saved = yaml.safe_load((Path(r["run_dir"]) / "config.yaml").read_text())
+        assert saved["train"]["lr"] == r["params"]["train.lr"]
 
 
 def test_two_sweep_processes_split_one_study(tmp_path, cache_dir):

@@ -9,8 +9,8 @@ import hashlib
 import os
 import shutil
 import socket
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def cache_root(configured: str) -> Path:

@@ -128,7 +128,7 @@ class ChatFormat(prepare.RecordFormat):
                        packing_efficiency=round(float(lengths.sum()) / max(slots, 1), 4))
         return out
 
-    def open(self, cfg: Config, tok_dir: Path, folders: dict[str, Path]) -> "ChatData":
+    def open(self, cfg: Config, tok_dir: Path, folders: dict[str, Path]) -> ChatData:
         index = store.read_index(folders["train"])
         train = Conversations.open(folders["train"])
         packed = cfg.data.packing
@@ -227,14 +227,14 @@ class Conversations:
         self.n = len(self.offsets) - 1
 
     @classmethod
-    def open(cls, folder: Path) -> "Conversations":
+    def open(cls, folder: Path) -> Conversations:
         return cls(folder)
 
     def conversation(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.ids[lo:hi].astype(np.int64), self.mask[lo:hi].astype(bool)
 
-    def view(self, packed: bool, lo: int = 0, hi: int | None = None) -> "ChatSet":
+    def view(self, packed: bool, lo: int = 0, hi: int | None = None) -> ChatSet:
         if packed:
             offsets = np.load(self.folder / "pack_offsets.npy", mmap_mode="r")
             order = np.load(self.folder / "pack_order.npy", mmap_mode="r")

@@ -22,7 +22,7 @@ class Examples:
     def __len__(self) -> int:
         return len(self.texts)
 
-    def take(self, lo: int, hi: int) -> "Examples":
+    def take(self, lo: int, hi: int) -> Examples:
         return Examples(self.texts[lo:hi], self.pairs[lo:hi] if self.pairs is not None else None)
 
 
@@ -55,6 +55,9 @@ def encode(tokenizer, ex: Examples, max_length: int, chunk: int = 8192) -> Encod
             lengths.append(len(seq))
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    flat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dtype=dt))
-    return EncodedSet(flat(ids, store.token_dtype(len(tokenizer))), flat(types, np.uint8), offsets,
+    return EncodedSet(_flat(ids, store.token_dtype(len(tokenizer))), _flat(types, np.uint8), offsets,
                       np.zeros(len(lengths), dtype=np.int64))
+
+
+def _flat(arrays: list, dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype=dtype)

@@ -37,12 +37,12 @@ class EncodedSet:
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.ids[lo:hi], self.types[lo:hi]
 
-    def rows(self, lo: int, hi: int) -> "EncodedSet":
+    def rows(self, lo: int, hi: int) -> EncodedSet:
         """Examples [lo, hi) (offsets stay positions in the same streams)."""
         return EncodedSet(self.ids, self.types, self.offsets[lo:hi + 1], self.labels[lo:hi])
 
     @classmethod
-    def open(cls, folder: Path) -> "EncodedSet":
+    def open(cls, folder: Path) -> EncodedSet:
         return cls(store.TokenStore(folder, "ids"), store.TokenStore(folder, "types"),
                    np.load(folder / "offsets.npy", mmap_mode="r"), np.load(folder / "labels.npy", mmap_mode="r"))
 

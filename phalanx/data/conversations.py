@@ -68,8 +68,9 @@ def detect(row, where: str) -> str:
 def _text(value, where: str, field: str) -> str:
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                                       for p in value):  # OpenAI content parts, text only
+    # OpenAI content parts, text only
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in value):
         return "".join(p["text"] for p in value)
     raise ConfigError(f"{where}: field '{field}' should be text, got {type(value).__name__}")
 

@@ -55,7 +55,8 @@ def check_hub_names(cfg: Config, data: bool = True) -> None:
             raise ConfigError(f"config key '{key}': {what} not found on the Hugging Face hub (a private or "
                               f"misspelled name?) and not in the local cache")
         raise ConfigError(f"config key '{key}': {what} is not in the local Hugging Face cache "
-                          f"({_cache_of(kind)}) and the hub is unreachable ({status}); {offline_how(name, subset, kind)}")
+                          f"({_cache_of(kind)}) and the hub is unreachable ({status}); "
+                          f"{offline_how(name, subset, kind)}")
 
 
 def offline_how(name: str, subset: str, kind: str) -> str:

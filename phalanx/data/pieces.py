@@ -17,9 +17,9 @@ a newline that itself follows a visible character (`safe_cut`); only such places
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from phalanx.core.config import ConfigError
 from phalanx.data import builtin
@@ -366,7 +366,7 @@ def _parquet_rows(piece: Piece, fields: Fields) -> Iterator[tuple[list[tuple], i
     row = sum(pf.metadata.row_group(g).num_rows for g in range(piece.start))
     for g in range(piece.start, piece.end):
         for batch, values in _row_group(pf, g, fields, piece.source, row):
-            out = [values_of(r, fields, lambda i=i: f"data file '{piece.source}' row {row + i + 1}")
+            out = [values_of(r, fields, lambda n=row + i + 1: f"data file '{piece.source}' row {n}")
                    for i, r in enumerate(values)]
             row += len(out)
             yield out, int(batch.nbytes)

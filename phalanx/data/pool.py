@@ -18,9 +18,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
-from typing import Callable
 
 import psutil
 from tqdm import tqdm

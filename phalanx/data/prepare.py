@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -302,5 +302,6 @@ def open_or_prepare(cfg: Config, fmt: RecordFormat, is_builder: bool, timeout_s:
                 prepare(cfg, fmt, progress=False)
                 return open_prepared(cfg, fmt)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {timeout_s:.0f}s for the node's first process to prepare the data")
+                raise TimeoutError(f"waited {timeout_s:.0f}s for the node's first process to prepare the data") \
+                    from None
             time.sleep(0.1)

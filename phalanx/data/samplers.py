@@ -11,7 +11,7 @@ The training order is one stream: epoch 0's permutation, then epoch 1's, ... eac
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

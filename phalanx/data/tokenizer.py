@@ -9,8 +9,8 @@ workers load a `transformers.PreTrainedTokenizerFast`, so the run's `final/` fol
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import (
     Tokenizer,

@@ -12,8 +12,8 @@ with the same values, and still without a second full copy.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -57,8 +57,9 @@ class Builder:
         retie(model, template)
         todo = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         if pretrained:
-            loaded = load_pretrained(todo, pretrained_folder(pretrained), prefix=getattr(model, "base_model_prefix", ""),
-                                     seed=self.seed, growable=_embedding_names(template), mismatched=mismatched)
+            loaded = load_pretrained(todo, pretrained_folder(pretrained),
+                                     prefix=getattr(model, "base_model_prefix", ""), seed=self.seed,
+                                     growable=_embedding_names(template), mismatched=mismatched)
             todo = {k: v for k, v in todo.items() if k not in loaded}
         blocks = {id(b) for b in transformer_blocks(template)}
         init_by_name(model, template, {n for n, m in template.named_modules() if id(m) in blocks}, self.seed, todo)

@@ -13,8 +13,8 @@ fake clock and fake events (tests/test_step_clock.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 # What each mark ends. FORWARD/BACKWARD repeat once per micro-batch, in that order.
 START, DATA, SYNC, FORWARD, BACKWARD, END = "start", "data", "sync", "forward", "backward", "end"

@@ -230,7 +230,8 @@ def _loop(run: Run, tr: Trainee, task, state: TrainState) -> tuple[bool, dict]:
         if last_step or stop:
             return stop, eval_metrics
 
-        minutes_due = bool(t.checkpoint_every_minutes) and time.time() - last_ckpt_time > 60 * t.checkpoint_every_minutes
+        minutes_due = (bool(t.checkpoint_every_minutes)
+                       and time.time() - last_ckpt_time > 60 * t.checkpoint_every_minutes)
         r = train_step(run, tr, task, state, votes=(run.preempt.requested, minutes_due))
         state.advance(t.global_batch_size, int(r.tokens), r.marks.host_seconds)
         run.first_step_at = run.first_step_at or time.time()
@@ -349,7 +350,7 @@ def _optimizer_step(run: Run, tr: Trainee, state: TrainState, losses, micro_ids)
         tr.scaler.step(tr.optimizer)
         state.consecutive_nan = 0
     else:  # the norm comes from all-reduced gradients, so every rank takes this branch together
-        local_bad = next((m for m, l in zip(micro_ids, losses) if not torch.isfinite(l)), math.inf)
+        local_bad = next((m for m, loss in zip(micro_ids, losses) if not torch.isfinite(loss)), math.inf)
         (bad_micro,) = dist.all_reduce([local_bad], run.info, "min")
         if tr.scaler.is_enabled() and not math.isfinite(bad_micro):
             # fp16: finite losses but the scaled gradients overflowed. Routine for dynamic loss scaling:

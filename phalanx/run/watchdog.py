@@ -1,8 +1,8 @@
 """Hang diagnosis: a per-rank thread that notices when the loop stops making progress.
 
-The loop calls `beat(step, phase)` at each phase of a step (through run/probe.py). If no beat arrives within the timeout,
-the thread writes this rank's Python stacks (all threads) and its last position to RUN/hang/rank<r>.txt
-and ends the process with HANG_EXIT, so the job stops instead of waiting forever. Before exiting it
+The loop calls `beat(step, phase)` at each phase of a step (through run/probe.py). If no beat arrives within
+the timeout, the thread writes this rank's Python stacks (all threads) and its last position to
+RUN/hang/rank<r>.txt and ends the process with HANG_EXIT, so the job stops instead of waiting forever. Before exiting it
 waits (briefly) for the other ranks' files: the launcher stops the whole group as soon as one worker
 exits, so a rank that exited at once would cut off the peers' reports. The launcher then
 compares the ranks' positions: the rank(s) furthest behind are the ones that never reached the
@@ -47,7 +47,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="phalanx-watchdog", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._thread.start()
         return self
 

@@ -13,7 +13,8 @@ import os
 import re
 import sys
 import traceback
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 import torch.distributed as tdist
 

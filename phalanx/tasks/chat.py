@@ -180,14 +180,16 @@ class ChatTask(TaskBase):
     def eval_metrics(self, sums: list[float]) -> dict:
         loss_sum, tokens, correct, samples = sums
         loss = loss_sum / max(tokens, 1)
-        return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0)), "eval/token_accuracy": correct / max(tokens, 1),
-                "eval/tokens": int(tokens), "eval/samples": int(samples)}
+        return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0)),
+                "eval/token_accuracy": correct / max(tokens, 1), "eval/tokens": int(tokens),
+                "eval/samples": int(samples)}
 
     # ---- outputs --------------------------------------------------------------------------------
     def export(self, model, out, write) -> None:
         """RUN/final: the model (LoRA: merged into the base) with the tokenizer and its chat template, and a
         generation config that stops at the end of the assistant's turn; LoRA's adapter in final/adapter."""
-        stops = [*self.data.end_of_turn, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])]
+        eos = self.tokenizer.eos_token_id
+        stops = [*self.data.end_of_turn, *([eos] if eos is not None else [])]
         if is_lora(model):
             if self.info.is_main:
                 model.save_pretrained(Path(out) / "adapter")
@@ -202,8 +204,8 @@ class ChatTask(TaskBase):
     def summary_extra(self) -> dict:
         s = self.data.summary
         keys = ("documents", "dropped", "supervised_tokens", "packing_efficiency", "packed_rows")
-        return {"train_samples": len(self.train_set), "val_samples": len(self.val_set), "vocab_size": len(self.tokenizer),
-                **{f"data_{k}": s[k] for k in keys if k in s}}
+        return {"train_samples": len(self.train_set), "val_samples": len(self.val_set),
+                "vocab_size": len(self.tokenizer), **{f"data_{k}": s[k] for k in keys if k in s}}
 
 
 def show_examples(cfg: Config, n: int) -> str:

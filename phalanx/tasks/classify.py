@@ -96,7 +96,8 @@ class ClassifyTask(TaskBase):
         return cfg.data.max_length
 
     def next_commands(self, run_dir) -> list[str]:
-        return [*super().next_commands(run_dir), f"phalanx predict {run_dir} --input TEXTS.jsonl --output predictions.jsonl"]
+        return [*super().next_commands(run_dir),
+                f"phalanx predict {run_dir} --input TEXTS.jsonl --output predictions.jsonl"]
 
     @staticmethod
     def model_for(cfg: Config, vocab_size: int, special_id: int, names: list[str] | None = None):

@@ -33,7 +33,8 @@ GB = 2 ** 30
 # bytes of saved activations per (token x block x width unit), fp32, measured on CPU (see the docstring)
 ACTIVATION_BYTES = {"gpt2": 200.0, "llama": 190.0}
 HALF_ACTIVATIONS = 0.6       # what bf16/fp16 autocast keeps of them
-RUNTIME = {"cpu": 0.5 * GB, "cuda": 0.3 * GB}  # a worker before training here / cuBLAS workspaces, allocator slack (unmeasured)
+# a worker before training here / cuBLAS workspaces, allocator slack (unmeasured)
+RUNTIME = {"cpu": 0.5 * GB, "cuda": 0.3 * GB}
 
 
 @dataclass(frozen=True)

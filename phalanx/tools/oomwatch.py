@@ -191,7 +191,7 @@ class MemoryWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "MemoryWatch":
+    def start(self) -> MemoryWatch:
         self.snapshot()
         self._thread = threading.Thread(target=self._run, name="phalanx-memory-watch", daemon=True)
         self._thread.start()

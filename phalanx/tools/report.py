@@ -242,7 +242,7 @@ def plot_loss(runs: list[Run], path: Path) -> Path:
     twins = [ax.twinx() for ax in axes] if extra else []
     for run in runs:
         prefix = f"{run.name} " if len(runs) > 1 else ""
-        for i, xs in enumerate((lambda rs: [r["step"] for r in rs], lambda rs: _minutes(run, rs))):
+        for i, xs in enumerate((lambda rs: [r["step"] for r in rs], lambda rs, run=run: _minutes(run, rs))):
             train = [r for r in run.train if "loss" in r]
             axes[i].plot(xs(train), [r["loss"] for r in train], label=f"{prefix}train loss")
             for key in ["eval/loss"] + extra:

@@ -64,7 +64,8 @@ def markdown(summary: dict, rows: list[dict], space: list[Param], importances: d
     configs = summary.get("configs") or []
     if any(c["n"] > 1 for c in configs):
         out += ["", "## Configurations over seeds (ranked by the mean)", "",
-                "| " + " | ".join(keys) + f" | mean {metric} | ± std | seeds | trials |", "|---" * (len(keys) + 4) + "|"]
+                "| " + " | ".join(keys) + f" | mean {metric} | ± std | seeds | trials |",
+                "|---" * (len(keys) + 4) + "|"]
         for c in configs:
             out.append("| " + " | ".join(_fmt(c["params"].get(k)) for k in keys) +
                        f" | {c['mean']:.4g} | {c['std']:.2g} | {c['n']} | {', '.join(map(str, c['trials']))} |")

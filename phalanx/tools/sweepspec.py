@@ -160,7 +160,8 @@ def _param(path: Path, key: str, spec: Any) -> Param:
     if not isinstance(spec, dict) or spec.get("type") not in KINDS:
         raise _fail(path, where, f"a list of values or a mapping with type one of {', '.join(KINDS)}", spec)
     kind = spec["type"]
-    allowed = {"type", "values"} if kind == "choice" else {"type", "low", "high"} | ({"step"} if kind == "int" else set())
+    allowed = ({"type", "values"} if kind == "choice" else
+               {"type", "low", "high"} | ({"step"} if kind == "int" else set()))
     unknown = sorted(set(spec) - allowed)
     if unknown:
         raise _fail(path, where, f"only {', '.join(sorted(allowed))}", unknown)
@@ -221,7 +222,8 @@ def load_sweep(path: str | Path, *, parallel: int | None = None, trials: int | N
             raise _fail(path, "sampler: grid", "lists of values for every key (ranges need random or tpe)", ranged)
     sweep.sampler_seed = _number(path, "sampler_seed", raw.get("sampler_seed", 0), integer=True)
     seeds = raw.get("seeds", [])
-    if not isinstance(seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds) \
+    if not isinstance(seeds, list) \
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds) \
             or len(set(seeds)) != len(seeds):
         raise _fail(path, "seeds", "a list of distinct non-negative integers", seeds)
     sweep.seeds = seeds

@@ -26,6 +26,30 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("token-cache")
 
 
+@pytest.fixture(scope="module")
+def pg():
+    """A real one-process Gloo group, as a lone `phalanx train` worker makes it (one per test module)."""
+    import torch  # here, not at the top: most test modules never load torch in this process
+    import torch.distributed as tdist
+
+    import phalanx.core.dist as pdist
+
+    saved_env, threads = dict(os.environ), torch.get_num_threads()
+    owned = not tdist.is_initialized()
+    try:
+        info = pdist.setup("gloo", timeout_s=60, threads=threads, tune_malloc=False)
+    finally:  # env:// is read only by init; RANK/WORLD_SIZE must not leak into later subprocess tests
+        os.environ.clear()
+        os.environ.update(saved_env)
+    assert (info.rank, info.world_size, info.backend) == (0, 1, "gloo") and tdist.is_initialized()
+    yield info
+    if owned:
+        pdist.teardown()
+    os.environ.clear()
+    os.environ.update(saved_env)
+    torch.set_num_threads(threads)
+
+
 def phalanx(*args, timeout: float = 120, env: dict | None = None, check: bool = False) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (as a user would)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

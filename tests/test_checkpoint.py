@@ -14,10 +14,8 @@ import random
 from pathlib import Path
 
 import numpy as np
-import phalanx.core.dist as pdist
 import pytest
 import torch
-import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 
 from conftest import REPO
@@ -47,25 +45,6 @@ FIXTURE = REPO / "tests" / "fixtures" / "ckpt-31751d5"
 
 def tiny(arch: str = "gpt2", n_layer: int = 1) -> ModelConfig:
     return ModelConfig(arch=arch, n_layer=n_layer, n_head=2, n_embd=EMBD, block_size=BLOCK)
-
-
-@pytest.fixture(scope="module")
-def pg():
-    """A real one-process Gloo group, as a lone `phalanx train` worker makes it."""
-    saved_env, threads = dict(os.environ), torch.get_num_threads()
-    owned = not tdist.is_initialized()
-    try:
-        info = pdist.setup("gloo", timeout_s=60, threads=threads, tune_malloc=False)
-    finally:  # env:// is read only by init; RANK/WORLD_SIZE must not leak into later subprocess tests
-        os.environ.clear()
-        os.environ.update(saved_env)
-    assert (info.rank, info.world_size, info.backend) == (0, 1, "gloo") and tdist.is_initialized()
-    yield info
-    if owned:
-        pdist.teardown()
-    os.environ.clear()
-    os.environ.update(saved_env)
-    torch.set_num_threads(threads)
 
 
 def _batch(seed: int) -> torch.Tensor:

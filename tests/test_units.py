@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pickle
 import threading
 
 import phalanx.core.dist as pdist
 import pytest
 import torch
-import torch.distributed as tdist
 from torch import nn
 
 from phalanx.core.config import ModelConfig, TrainConfig
@@ -48,25 +46,6 @@ def tiny(arch: str = "gpt2", n_layer: int = 1) -> ModelConfig:
 def cpu_info(rank: int = 0, world_size: int = 1) -> pdist.DistInfo:
     return pdist.DistInfo(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
                           node_rank=0, attempt=0, backend="gloo", device=torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def pg():
-    """A real one-process Gloo group, as a lone `phalanx train` worker makes it."""
-    saved_env, threads = dict(os.environ), torch.get_num_threads()
-    owned = not tdist.is_initialized()
-    try:
-        info = pdist.setup("gloo", timeout_s=60, threads=threads, tune_malloc=False)
-    finally:  # env:// is read only by init; RANK/WORLD_SIZE must not leak into later subprocess tests
-        os.environ.clear()
-        os.environ.update(saved_env)
-    assert (info.rank, info.world_size, info.backend) == (0, 1, "gloo") and tdist.is_initialized()
-    yield info
-    if owned:
-        pdist.teardown()
-    os.environ.clear()
-    os.environ.update(saved_env)
-    torch.set_num_threads(threads)
 
 
 # ---- optim ----------------------------------------------------------------------------------------

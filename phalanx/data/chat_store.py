@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import conversations, pieces, prepare, store
+from phalanx.data import conversations, pieces, prepare, readers, store
 from phalanx.data.sources import Split
 
 
@@ -57,7 +57,7 @@ class ChatFormat(prepare.RecordFormat):
     token_arrays = {"ids": None, "mask": "uint8"}
     row_arrays = {"lengths": "uint32"}
 
-    def fields(self, cfg: Config) -> pieces.Fields:
+    def fields(self, cfg: Config) -> readers.Fields:
         return (("", "record"),)
 
     def settings(self, cfg: Config) -> tuple:

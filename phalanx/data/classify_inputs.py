@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from phalanx.core.config import ConfigError
-from phalanx.data import pieces, sources, store
+from phalanx.data import pieces, readers, sources, store
 from phalanx.data.classify_store import EncodedSet
 
 
@@ -30,8 +30,8 @@ def read_inputs(path: str, text_field: str, pair_field: str) -> Examples:
     """Rows of a JSONL/CSV/Parquet file, or one text per non-blank line of a plain-text file."""
     p = Path(path)
     if sources.format_of(p, "auto") == "text" and not pair_field:
-        start = pieces.content_start(p, "text")  # after a byte-order mark
-        texts = [line for line in pieces.decode(p.read_bytes()[start:], path, start).splitlines() if line.strip()]
+        start = readers.content_start(p, "text")  # after a byte-order mark
+        texts = [line for line in readers.decode(p.read_bytes()[start:], path, start).splitlines() if line.strip()]
         if not texts:
             raise ConfigError(f"data file '{path}': no rows (empty file)")
         return Examples(texts)

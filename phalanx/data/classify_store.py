@@ -18,7 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import pieces, prepare, store
+from phalanx.data import pieces, prepare, readers, store
 from phalanx.data.sources import Split, source_identity, splits
 
 
@@ -83,7 +83,7 @@ class ClassifyFormat(prepare.RecordFormat):
     token_arrays = {"ids": None, "types": "uint8"}
     row_arrays = {"lengths": "uint32", "codes": "uint32"}
 
-    def fields(self, cfg: Config) -> pieces.Fields:
+    def fields(self, cfg: Config) -> readers.Fields:
         d = cfg.data
         pair = ((d.text_pair_field, "text"),) if d.text_pair_field else ()
         return ((d.text_field, "text"), *pair, (d.label_field, "label"))

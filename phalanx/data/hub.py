@@ -28,7 +28,7 @@ def hub_specs(cfg: Config, data: bool = True) -> list[tuple[str, str, str, str]]
     d, out = cfg.data, []
     for key, spec in (("data.train", d.train), ("data.validation", d.validation)) if data else ():
         if spec.startswith("hf:"):
-            name, _, subset = spec[3:].partition(":")  # as pieces.hub_rows reads it
+            name, _, subset = spec[3:].partition(":")  # as readers.hub_rows reads it
             out.append((key, name, subset, "dataset"))
     if d.tokenizer.startswith("hf:"):
         out.append(("data.tokenizer", d.tokenizer[3:], "", "tokenizer"))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx.core.config import Config
-from phalanx.data import encoder, pieces, prepare, store
+from phalanx.data import encoder, pieces, prepare, readers, store
 from phalanx.data import tokenizer as toks
 from phalanx.data.sample import sample_rows
 from phalanx.data.sources import Split
@@ -42,7 +42,7 @@ class LMFormat(prepare.RecordFormat):
     tokenizer, needs = "bpe", "eos_token"
     token_arrays = {"ids": None}
 
-    def fields(self, cfg: Config) -> pieces.Fields:
+    def fields(self, cfg: Config) -> readers.Fields:
         return ((cfg.data.text_field, "text"),)
 
     def job(self, cfg: Config, split: Split, tok_dir: Path, total: int) -> tuple[EncodeJob, dict]:

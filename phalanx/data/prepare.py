@@ -26,7 +26,7 @@ import numpy as np
 from phalanx.core import host
 from phalanx.core.config import Config, ConfigError
 from phalanx.core.runfolder import write_json
-from phalanx.data import cache, pieces, pool, store
+from phalanx.data import cache, pieces, pool, readers, store
 from phalanx.data import tokenizer as toks
 from phalanx.data.sample import sample_rows
 from phalanx.data.sources import Split, file_identity, files_of, source_identity, splits
@@ -50,7 +50,7 @@ class RecordFormat:
     def adapt_tokenizer(self, folder: Path) -> None:
         """Change the tokenizer saved in `folder` before anything encodes with it (chat: add a template)."""
 
-    def fields(self, cfg: Config) -> pieces.Fields:
+    def fields(self, cfg: Config) -> readers.Fields:
         """The (name, 'text' | 'label') fields each row must have."""
         raise NotImplementedError
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import pieces
+from phalanx.data import pieces, readers
 from phalanx.data.sources import files_of, format_of, splits
 
 
-def sample_rows(cfg: Config, fields: pieces.Fields, budget: int) -> list[tuple]:
+def sample_rows(cfg: Config, fields: readers.Fields, budget: int) -> list[tuple]:
     """A deterministic sample of about `budget` bytes of the training rows, spread over the whole corpus
     for text and JSON Lines files (the head of the stream for other sources), and excluding the
     validation tail when validation is held out of the training data. A plain-text window is one row."""
@@ -42,19 +42,19 @@ def sample_rows(cfg: Config, fields: pieces.Fields, budget: int) -> list[tuple]:
     return out
 
 
-def _window(path: Path, kind: str, lo: int, hi: int, size: int, fields: pieces.Fields) -> list[tuple]:
+def _window(path: Path, kind: str, lo: int, hi: int, size: int, fields: readers.Fields) -> list[tuple]:
     """Whole lines of path[lo:hi] as one text row, or as JSON Lines rows."""
-    buf = pieces.read_bytes(str(path), lo, hi)
-    start = pieces.content_start(path, kind) if lo == 0 else buf.find(b"\n") + 1
+    buf = readers.read_bytes(str(path), lo, hi)
+    start = readers.content_start(path, kind) if lo == 0 else buf.find(b"\n") + 1
     end = len(buf) if hi == size else buf.rfind(b"\n") + 1
     if start <= 0 and lo or end <= start:
         return []
     if kind == "jsonl":
-        return pieces.jsonl_rows(buf[start:end], str(path), lo + start, fields)
-    return [(pieces.decode(buf[start:end], str(path), lo + start),)]
+        return readers.jsonl_rows(buf[start:end], str(path), lo + start, fields)
+    return [(readers.decode(buf[start:end], str(path), lo + start),)]
 
 
-def check_sample(cfg: Config, fields: pieces.Fields, head: int = 1 << 20, windows: int = 4,
+def check_sample(cfg: Config, fields: readers.Fields, head: int = 1 << 20, windows: int = 4,
                  width: int = 1 << 18) -> None:
     """Launcher pre-flight on a bounded sample: every file exists and has a known format; its head and a
     few windows spread over it decode as UTF-8 and parse as JSON Lines with the fields; a Parquet file's
@@ -69,9 +69,9 @@ def check_sample(cfg: Config, fields: pieces.Fields, head: int = 1 << 20, window
             if size == 0:
                 raise ConfigError(f"data file '{path}': no rows (empty file)")
             if kind == "parquet":
-                pieces.open_parquet(path, fields)  # the footer: readable, has rows and the fields
+                readers.open_parquet(path, fields)  # the footer: readable, has rows and the fields
                 continue
-            pieces.content_start(path, kind)  # not compressed, not one JSON array
+            readers.content_start(path, kind)  # not compressed, not one JSON array
             if kind == "csv":
                 continue
             spans = [(0, min(size, head))] + [(size * (i + 1) // (windows + 1), size * (i + 1) // (windows + 1) + width)

@@ -1,5 +1,5 @@
 """Which data a config names: its splits, the files each names, their formats, and what identifies them.
-Reading them is streamed: pieces.py.
+Reading them is streamed: pieces.py cuts them into pieces, readers.py reads each format.
 
 Every problem is a `ConfigError` (exit code 2, one line).
 """

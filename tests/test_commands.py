@@ -1,6 +1,7 @@
 """Every command on every task's example config, driven by the task registry: a new task joins this test
 (and must say here what small data it trains on). Commands that use a finished run apply to the tasks the
-registry lists for them; every other combination is exit 2 with one line."""
+registry lists for them; every other combination is exit 2 with one line. The commands that do not need a
+finished run (bench, doctor, sweep) are a slow test of their own."""
 from __future__ import annotations
 
 import json
@@ -47,10 +48,15 @@ def data(tmp_path_factory):
     return _texts(tmp_path_factory.mktemp("data"))
 
 
+def _items(task: str, data: dict, cache_dir) -> list[str]:
+    return [str(REPO / TASKS[task].example), f"data.train={data[task]}", f"data.cache_dir={cache_dir}", *SMALL,
+            *DATA[task]]
+
+
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_every_command_on_the_tasks_example(task, data, tmp_path, cache_dir):
     spec = TASKS[task]
-    items = [str(REPO / spec.example), f"data.train={data[task]}", f"data.cache_dir={cache_dir}", *SMALL, *DATA[task]]
+    items = _items(task, data, cache_dir)
     run = tmp_path / "run"
 
     proc = phalanx("config", *items, check=True)
@@ -74,8 +80,14 @@ def test_every_command_on_the_tasks_example(task, data, tmp_path, cache_dir):
             (line,) = proc.stderr.strip().splitlines()
             assert f"task is '{task}'" in line and f"phalanx {command}" in line
 
-    proc = phalanx("bench", *items, "--nproc", "1", "--steps", "2", "--warmup", "0", "--out", tmp_path / "bench",
-                   check=True, timeout=180)
+
+@pytest.mark.slow  # ~25 s per task; bench, doctor and sweep are in CI for lm (test_bench_doctor.py, test_sweep.py)
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_bench_doctor_and_sweep_on_the_tasks_example(task, data, tmp_path, cache_dir):
+    spec = TASKS[task]
+    items = _items(task, data, cache_dir)
+    phalanx("bench", *items, "--nproc", "1", "--steps", "2", "--warmup", "0", "--out", tmp_path / "bench",
+            check=True, timeout=180)
     assert (tmp_path / "bench" / "bench.md").is_file()
     phalanx("doctor", *items, "--nproc-per-node", "1", "--run-dir", tmp_path / "doctor", check=True, timeout=120)
 

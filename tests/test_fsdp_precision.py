@@ -63,6 +63,7 @@ def test_fsdp_export_is_a_plain_full_model(fsdp2, ddp2_reference):
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
 
 
+@pytest.mark.slow  # ~9 s; ddp -> fsdp at 2 processes stays in CI
 def test_fsdp_checkpoint_resumes_under_ddp_at_one_process(fsdp2, tmp_path, cache_dir):
     run = tmp_path / "ddp1"
     proc = phalanx(*lm_args(run, cache_dir, *REFERENCE), "--resume", fsdp2 / "checkpoints" / "step_000005",
@@ -140,7 +141,7 @@ def autocast_bf16(tmp_path_factory, cache_dir):
     return run, phalanx(*lm_args(run, cache_dir, *SMALL, "train.precision=bf16"), check=True, timeout=240)
 
 
-@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+@pytest.mark.parametrize("prec", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])  # ~20 s each
 def test_mixed_precision_runs_and_resumes_exactly(prec, tmp_path, cache_dir, request):
     resumed = tmp_path / "resumed"
     if prec == "bf16":

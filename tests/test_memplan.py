@@ -64,7 +64,7 @@ def test_launcher_refuses_before_any_worker(tmp_path, cache_dir):
 def test_the_plan_is_within_15_percent_of_a_measured_run(tmp_path, cache_dir):
     run = tmp_path / "run"
     args = ["model.n_layer=8", "model.n_embd=512", "model.n_head=8", "model.block_size=128",
-            "train.micro_batch_size=8", "train.global_batch_size=16", "train.max_steps=3", "train.log_every=1",
+            "train.micro_batch_size=8", "train.global_batch_size=16", "train.max_steps=2", "train.log_every=1",
             "train.eval_every=0", "train.eval_max_samples=8", "log.progress=off"]
     proc = phalanx("train", f"data.train={SHAKESPEARE}", f"data.cache_dir={cache_dir}", "--run-dir", run, *args,
                    check=True, timeout=240)

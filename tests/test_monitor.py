@@ -77,6 +77,7 @@ def test_slow_rank_is_named_as_straggler(tmp_path, cache_dir):
     assert [e["rank"] for e in events] == [1]
 
 
+@pytest.mark.slow  # ~12 s
 def test_telemetry_off_keeps_loss_rates_and_split_only(tmp_path, cache_dir, even_run):
     """log.telemetry=false: no comm hook, resources, per-rank lists or straggler check (a slow rank goes
     unnamed), and the same training as with it on."""

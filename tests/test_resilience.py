@@ -132,7 +132,7 @@ def test_the_account_names_the_killed_rank_when_the_survivor_dies_first(tmp_path
     assert "consequences: rank 0 lost a peer (RuntimeError)" in err
 
 
-@pytest.mark.parametrize("new_world", [1, 3])
+@pytest.mark.parametrize("new_world", [pytest.param(1, marks=pytest.mark.slow), 3])  # ~17 s each
 def test_resume_on_a_different_world_size(tmp_path, small_text, cache_dir, baseline, new_world):
     run = tmp_path / "run"
     first = phalanx(*args(run, small_text, cache_dir, "debug.fault=raise:rank=0:step=7"), "--nproc-per-node", 2)
@@ -146,6 +146,7 @@ def test_resume_on_a_different_world_size(tmp_path, small_text, cache_dir, basel
     assert summary["samples_seen"] == STEPS * 24  # nothing skipped or repeated
 
 
+@pytest.mark.slow  # ~16 s
 def test_checkpoint_of_one_optimizer_impl_resumes_under_another(tmp_path, small_text, cache_dir, baseline):
     """The baseline ran fused AdamW (auto on CPU); the same run stopped at step 7 and resumed with the
     single-tensor loop is not refused and follows it within float rounding: same state, same math."""
@@ -186,7 +187,8 @@ def test_kill_during_checkpoint_write_falls_back_to_previous(tmp_path, small_tex
     assert_same_run(run, baseline, rel=0.0)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGUSR1"])  # ~16 s each
 def test_signal_saves_exits_75_and_resumes_exactly(tmp_path, small_text, cache_dir, baseline, sig):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "phalanx", *map(str, args(run, small_text, cache_dir)), "--nproc-per-node", "2"]

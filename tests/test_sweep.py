@@ -147,6 +147,7 @@ def test_ctrl_c_stops_cleanly_and_the_same_command_resumes(tmp_path, cache_dir):
         assert saved["train"]["lr"] == r["params"]["train.lr"]
 
 
+@pytest.mark.slow  # ~40 s
 def test_two_sweep_processes_split_one_study(tmp_path, cache_dir):
     path = write_sweep(tmp_path, cache_dir, space={"train.lr": [1e-3, 2e-3, 3e-3, 4e-3]}, extra=["train.max_steps=8"])
     out = tmp_path / "sw"

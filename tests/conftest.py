@@ -61,6 +61,14 @@ def phalanx(*args, timeout: float = 120, env: dict | None = None, check: bool = 
     return proc
 
 
+def srun_env(rank: int, port: int, job: str) -> dict:
+    """The environment srun gives task `rank` of a 2-task, 1-node step (what phalanx reads to be a worker)."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**clean, "PYTHONUNBUFFERED": "1", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+            "SLURM_NTASKS": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_STEP_ID": "0",
+            "SLURM_JOB_ID": job, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
 

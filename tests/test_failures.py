@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch.distributed as tdist
-from conftest import REPO, lm_args
+from conftest import REPO, lm_args, srun_env
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from phalanx.core.runfolder import RunFolder, write_json
@@ -255,12 +255,9 @@ def test_a_worker_under_an_outside_launcher_records_its_error_through_the_same_e
     from phalanx.core.dist import free_port
 
     run, port = tmp_path / "srun", free_port()
-    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     procs = []
     for rank in (0, 1):
-        env = {**clean, "PYTHONUNBUFFERED": "1", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-               "SLURM_NTASKS": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_STEP_ID": "0",
-               "SLURM_JOB_ID": "4243", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env = srun_env(rank, port, job="4243")
         args = lm_args(run, cache_dir, "train.max_steps=6", "dist.threads_per_worker=1",
                        "debug.fault=raise:rank=1:step=3")
         procs.append(subprocess.Popen([sys.executable, "-m", "phalanx", *args], cwd=REPO, env=env,

@@ -21,6 +21,7 @@ from conftest import (
     lm_args,
     metrics,
     phalanx,
+    srun_env,
     train_losses,
 )
 
@@ -150,12 +151,9 @@ def test_slurm_env_maps_ranks():
 def test_simulated_srun_matches_torchrun(tmp_path, cache_dir, ddp2_reference):
     """Two `python -m phalanx train` processes with srun's variables are the two workers (no launcher)."""
     run, port = tmp_path / "srun", _free_port()
-    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     procs = []
     for rank in (0, 1):
-        env = {**clean, "PYTHONUNBUFFERED": "1", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-               "SLURM_NTASKS": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_STEP_ID": "0",
-               "SLURM_JOB_ID": "4242", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env = srun_env(rank, port, job="4242")
         procs.append(subprocess.Popen([sys.executable, "-m", "phalanx", *lm_args(run, cache_dir, *REFERENCE)],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))

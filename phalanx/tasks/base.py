@@ -10,6 +10,7 @@ import torch
 
 from phalanx.core.config import Config, ConfigError
 from phalanx.data import prepare
+from phalanx.data.sample import check_sample
 
 
 class Task(Protocol):
@@ -60,6 +61,23 @@ class TaskBase:
         if not cfg.model.pretrained and cfg.model.arch not in cls.ARCHS:
             raise ConfigError(f"config key 'model.arch': task '{cls.name}' needs {' or '.join(cls.ARCHS)}, "
                               f"got {cfg.model.arch!r}")
+
+    # ---- data -------------------------------------------------------------------------------
+    @classmethod
+    def preflight(cls, cfg: Config) -> None:
+        """Bounded checks in the launcher (files exist, UTF-8, JSON, fields on a sample)."""
+        check_sample(cfg, cls.FORMAT.fields(cfg))
+
+    @classmethod
+    def prepare_data(cls, cfg: Config, workers: int = 0, progress: bool = True) -> dict:
+        """The data step (`phalanx prepare`, or the launcher before workers start): tokenizer + stores."""
+        summaries = prepare.prepare(cfg, cls.FORMAT, workers, progress)
+        cls.check_prepared(cfg)
+        return summaries
+
+    @classmethod
+    def check_prepared(cls, cfg: Config) -> None:
+        """What the prepared stores must hold for training to start (exit 2 in the launcher otherwise)."""
 
     @classmethod
     def is_prepared(cls, cfg: Config) -> bool:

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from phalanx.core.config import Config, ConfigError, hub_name
 from phalanx.data import chat_store, prepare
 from phalanx.data import tokenizer as toks
-from phalanx.data.sample import check_sample
 from phalanx.data.samplers import length_grouped_order, shuffled_order
 from phalanx.model.build import causal_lm
 from phalanx.model.lora import apply_lora, is_lora
@@ -97,18 +96,11 @@ class ChatTask(TaskBase):
             raise ConfigError("config key 'model.lora.r': LoRA runs with train.strategy=ddp (its adapters are small: "
                               "there is nothing to shard); use ddp, or full fine-tuning (model.lora.r=0) with fsdp")
 
-    @staticmethod
-    def preflight(cfg: Config) -> None:
-        check_sample(cfg, chat_store.CHAT.fields(cfg))
-
-    @staticmethod
-    def prepare_data(cfg: Config, workers: int = 0, progress: bool = True) -> dict:
-        summaries = prepare.prepare(cfg, chat_store.CHAT, workers, progress)
-        data = prepare.open_prepared(cfg, chat_store.CHAT)
-        if len(data.train) == 0:
+    @classmethod
+    def check_prepared(cls, cfg: Config) -> None:
+        if len(prepare.open_prepared(cfg, cls.FORMAT).train) == 0:
             raise ConfigError(f"config key 'data.train': every conversation of '{cfg.data.train or 'built-in data'}' "
                               f"is held out for validation; add conversations or lower data.val_fraction")
-        return summaries
 
     @staticmethod
     def sequence_length(cfg: Config) -> int:

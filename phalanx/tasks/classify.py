@@ -14,7 +14,6 @@ from phalanx.core.config import Config, ConfigError, hub_name
 from phalanx.data import classify_inputs, prepare
 from phalanx.data import tokenizer as toks
 from phalanx.data.classify_store import CLASSIFY, EncodedSet
-from phalanx.data.sample import check_sample
 from phalanx.data.samplers import length_grouped_order, shuffled_order
 from phalanx.model.build import classifier
 from phalanx.model.shard import Builder
@@ -46,17 +45,15 @@ class ClassifyTask(TaskBase):
         self.use_types = False
 
     # ---- data -------------------------------------------------------------------------------
-    @staticmethod
-    def preflight(cfg: Config) -> None:
-        """Bounded checks in the launcher (files exist, UTF-8, JSON, fields on a sample)."""
+    @classmethod
+    def preflight(cls, cfg: Config) -> None:
         _check_has_data(cfg)
-        check_sample(cfg, CLASSIFY.fields(cfg))
+        super().preflight(cfg)
 
-    @staticmethod
-    def prepare_data(cfg: Config, workers: int = 0, progress: bool = True) -> dict:
-        """The data step (`phalanx prepare`, or the launcher before workers start)."""
+    @classmethod
+    def prepare_data(cls, cfg: Config, workers: int = 0, progress: bool = True) -> dict:
         _check_has_data(cfg)
-        return prepare.prepare(cfg, CLASSIFY, workers, progress)
+        return super().prepare_data(cfg, workers, progress)
 
     def open_data(self) -> None:
         """Open the prepared splits; started by an outside torchrun/srun, the node's first process

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from phalanx.core.config import Config, ConfigError
 from phalanx.data import lm_store, prepare, store
 from phalanx.data import tokenizer as toks
-from phalanx.data.sample import check_sample
 from phalanx.data.samplers import shuffled_order
 from phalanx.model.build import causal_lm
 from phalanx.model.shard import Builder
@@ -68,17 +67,9 @@ class LMTask(TaskBase):
     FORMAT = lm_store.LM
 
     # ---- data -------------------------------------------------------------------------------
-    @staticmethod
-    def preflight(cfg: Config) -> None:
-        """Bounded checks in the launcher (files exist, UTF-8, JSON on a sample) before anything runs."""
-        check_sample(cfg, lm_store.LM.fields(cfg))
-
-    @staticmethod
-    def prepare_data(cfg: Config, workers: int = 0, progress: bool = True) -> dict:
-        """The data step (`phalanx prepare`, or the launcher before workers start): tokenizer + stores."""
-        summaries = prepare.prepare(cfg, lm_store.LM, workers, progress)
-        check_enough(cfg, prepare.open_prepared(cfg, lm_store.LM))
-        return summaries
+    @classmethod
+    def check_prepared(cls, cfg: Config) -> None:
+        check_enough(cfg, prepare.open_prepared(cfg, cls.FORMAT))
 
     def open_data(self) -> None:
         """Open the prepared stores. Started by an outside torchrun/srun, the node's first process

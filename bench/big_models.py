@@ -12,7 +12,7 @@ peak private memory (RssAnon of each worker, sampled every 0.05 s), the memory p
 line in the launcher's output; for b, today's plan of the same config), median step time. The limit is a
 cgroup v1 memory limit on the launcher and its workers (so one failure cannot take the machine).
 
-    python bench/big_models.py [--sizes 0.3,0.6,1.0,1.5] [--limit-gb 20] [--steps 3] [--block 512]
+    python bench/big_models.py [--sizes 0.3,0.6,0.7,1.0,1.5] [--limit-gb 20] [--steps 3] [--block 512]
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ DATA = REPO.parent / "shared" / "data" / "wikitext2" / "validation.txt"
 BASE = "97ac92b"  # the last commit before sharded construction (issue 18)
 CGROUP = Path("/sys/fs/cgroup/memory")
 # parameters (billions) -> (layers, width, heads); vocabulary 8192 (a tokenizer trained on the data)
-LADDER = {0.05: (8, 640, 10), 0.3: (24, 1024, 16), 0.6: (24, 1408, 16), 1.0: (24, 1792, 16), 1.5: (48, 1600, 25)}
+LADDER = {0.05: (8, 640, 10), 0.3: (24, 1024, 16), 0.6: (24, 1408, 16), 0.7: (24, 1536, 16), 1.0: (24, 1792, 16),
+          1.5: (48, 1600, 25)}
 STRATEGIES = {"a ddp": (None, ["train.strategy=ddp"]),
               "b fsdp (pre-issue-18)": (BASE, ["train.strategy=fsdp"]),
               "c fsdp sharded build": (None, ["train.strategy=fsdp"]),
@@ -152,7 +153,7 @@ def table(results: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="0.3,0.6,1.0,1.5")
+    p.add_argument("--sizes", default="0.3,0.6,0.7,1.0,1.5")
     p.add_argument("--strategies", default="a,b,c,d", help="letters of the strategies to run")
     p.add_argument("--limit-gb", type=float, default=20.0, help="memory limit of each run (launcher + workers)")
     p.add_argument("--steps", type=int, default=3)

@@ -7,6 +7,8 @@ world size under FSDP, else 1):
     weights       4 P / S                      (FSDP: + the largest unit all-gathered, twice: prefetch)
     gradients     4 T / S
     optimizer     8 T / S                      (exp_avg, exp_avg_sq)
+    step extra    k · 4 T / S                  at the optimizer step: its temporaries and the memory the
+                                               allocator keeps from backward (k measured, see below)
     activations   a · L · s · b · h            per micro-batch of b sequences of s tokens, L blocks of width h;
                                                with checkpointing: 4 · s · b · h per block (its input) + one
                                                block's a · s · b · h (its recompute)
@@ -14,9 +16,12 @@ world size under FSDP, else 1):
     runtime       the process itself (torch, transformers, Gloo/NCCL; on a GPU the CUDA context)
 The peak is the larger of two moments: the start of backward (weights, optimizer state, activations and
 logits, but no gradients yet: they are freed after each step; DDP keeps its gradient buckets throughout)
-and the optimizer step (weights, gradients, optimizer state). `a` (bytes per token per block per unit of
-width) was measured here for each architecture in fp32 (bf16/fp16 autocast keeps about 0.6 of it):
+and the optimizer step (weights, gradients, optimizer state, step extra). `a` (bytes per token per block per
+unit of width) was measured here for each architecture in fp32 (bf16/fp16 autocast keeps about 0.6 of it):
 peaks of real steps (VmHWM above an idle worker) on GPT-2 and Llama shapes from 4 M to 300 M parameters.
+`k` was fitted on bench/big_models.py's ladder (311 M and 584 M parameters, ddp and fsdp, with and without
+activation checkpointing, private memory per rank): 1.4 under ddp, about 2 under fsdp. Without it the plan
+of a checkpointed fsdp run, whose peak is the optimizer step, was 30% under the measured peak.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ GB = 2 ** 30
 # bytes of saved activations per (token x block x width unit), fp32, measured on CPU (see the docstring)
 ACTIVATION_BYTES = {"gpt2": 200.0, "llama": 190.0}
 HALF_ACTIVATIONS = 0.6       # what bf16/fp16 autocast keeps of them
+STEP_EXTRA = 2.0             # gradient-sized memory on top at the optimizer step (see the docstring)
 # a worker before training here / cuBLAS workspaces, allocator slack (unmeasured)
 RUNTIME = {"cpu": 0.5 * GB, "cuda": 0.3 * GB}
 
@@ -132,7 +138,8 @@ def estimate(cfg: Config, s: Shapes, world: int, device: str, available: float) 
     gradients, optimizer = 4.0 * s.trainable / shard, 8.0 * s.trainable / shard
     buckets = gradients if t.strategy == "ddp" and world > 1 else 0.0  # DDP keeps its gradient buckets
     runtime = RUNTIME["cuda" if device == "cuda" else "cpu"]
-    peak = runtime + max(weights + optimizer + buckets + activations + logits, weights + gradients + optimizer)
+    step = weights + gradients + optimizer + STEP_EXTRA * gradients
+    peak = runtime + max(weights + optimizer + buckets + activations + logits, step)
     return Plan(weights, gradients, optimizer, activations, logits, runtime, peak, available,
                 "GPU" if device == "cuda" else "process")
 

@@ -7,21 +7,24 @@ world size under FSDP, else 1):
     weights       4 P / S                      (FSDP: + the largest unit all-gathered, twice: prefetch)
     gradients     4 T / S
     optimizer     8 T / S                      (exp_avg, exp_avg_sq)
-    step extra    k · 4 T / S                  at the optimizer step: its temporaries and the memory the
-                                               allocator keeps from backward (k measured, see below)
+    extra         k · 4 T / S                  gradient-sized memory on top: at the optimizer step (its
+                                               temporaries, what the allocator keeps from backward) and,
+                                               under FSDP, in backward (shards accumulating, reduce-scatter
+                                               inputs) while activations are still held
     activations   a · L · s · b · h            per micro-batch of b sequences of s tokens, L blocks of width h;
                                                with checkpointing: 4 · s · b · h per block (its input) + one
                                                block's a · s · b · h (its recompute)
     logits        12 · b · s · V               (token-level heads: fp32 logits, log-softmax, its gradient)
     runtime       the process itself (torch, transformers, Gloo/NCCL; on a GPU the CUDA context)
-The peak is the larger of two moments: the start of backward (weights, optimizer state, activations and
-logits, but no gradients yet: they are freed after each step; DDP keeps its gradient buckets throughout)
-and the optimizer step (weights, gradients, optimizer state, step extra). `a` (bytes per token per block per
-unit of width) was measured here for each architecture in fp32 (bf16/fp16 autocast keeps about 0.6 of it):
-peaks of real steps (VmHWM above an idle worker) on GPT-2 and Llama shapes from 4 M to 300 M parameters.
-`k` was fitted on bench/big_models.py's ladder (311 M and 584 M parameters, ddp and fsdp, with and without
-activation checkpointing, private memory per rank): 1.4 under ddp, about 2 under fsdp. Without it the plan
-of a checkpointed fsdp run, whose peak is the optimizer step, was 30% under the measured peak.
+The peak is the larger of two moments: backward (weights, optimizer state, activations and logits, FSDP's
+extra; DDP keeps its gradient buckets throughout, which are the gradients) and the optimizer step (weights,
+gradients, optimizer state, extra). `a` (bytes per token per block per unit of width, fp32; bf16/fp16
+autocast keeps about 0.6 of it) and `k` were fitted on bench/big_models.py's ladder (private memory per rank,
+RssAnon: GPT-2 shapes of 311 M to 941 M parameters, 2 processes, block 512, ddp and fsdp, with and without
+activation checkpointing; every rung within 10% of its measured peak) and on a small model's whole peak
+(VmHWM, tests/test_memplan.py), which asks for a larger `a` (~200) than the ladder (~136): a = 160, k = 1.5.
+Without `k` the plan of a checkpointed fsdp run, whose peak is the optimizer step, was 30% under its measured
+peak. Llama's `a` keeps its measured ratio to GPT-2's (190 : 200).
 """
 from __future__ import annotations
 
@@ -35,10 +38,10 @@ from phalanx.core.config import Config, ConfigError, check_world, hub_name
 from phalanx.core.registry import TASKS
 
 GB = 2 ** 30
-# bytes of saved activations per (token x block x width unit), fp32, measured on CPU (see the docstring)
-ACTIVATION_BYTES = {"gpt2": 200.0, "llama": 190.0}
+# bytes of saved activations per (token x block x width unit), fp32, fitted on CPU (see the docstring)
+ACTIVATION_BYTES = {"gpt2": 160.0, "llama": 152.0}
 HALF_ACTIVATIONS = 0.6       # what bf16/fp16 autocast keeps of them
-STEP_EXTRA = 2.0             # gradient-sized memory on top at the optimizer step (see the docstring)
+EXTRA = 1.5                  # k: gradient-sized memory on top (see the docstring)
 # a worker before training here / cuBLAS workspaces, allocator slack (unmeasured)
 RUNTIME = {"cpu": 0.5 * GB, "cuda": 0.3 * GB}
 
@@ -138,8 +141,9 @@ def estimate(cfg: Config, s: Shapes, world: int, device: str, available: float) 
     gradients, optimizer = 4.0 * s.trainable / shard, 8.0 * s.trainable / shard
     buckets = gradients if t.strategy == "ddp" and world > 1 else 0.0  # DDP keeps its gradient buckets
     runtime = RUNTIME["cuda" if device == "cuda" else "cpu"]
-    step = weights + gradients + optimizer + STEP_EXTRA * gradients
-    peak = runtime + max(weights + optimizer + buckets + activations + logits, step)
+    backward = weights + optimizer + buckets + activations + logits + (EXTRA * gradients if shard > 1 else 0.0)
+    step = weights + gradients + optimizer + EXTRA * gradients
+    peak = runtime + max(backward, step)
     return Plan(weights, gradients, optimizer, activations, logits, runtime, peak, available,
                 "GPU" if device == "cuda" else "process")
 

@@ -21,7 +21,7 @@ extra; DDP keeps its gradient buckets throughout, which are the gradients) and t
 gradients, optimizer state, extra). `a` (bytes per token per block per unit of width, fp32; bf16/fp16
 autocast keeps about 0.6 of it) and `k` were fitted on bench/big_models.py's ladder (private memory per rank,
 RssAnon: GPT-2 shapes of 311 M to 941 M parameters, 2 processes, block 512, ddp and fsdp, with and without
-activation checkpointing; every rung within 10% of its measured peak) and on a small model's whole peak
+activation checkpointing; every rung within 11% of its measured peak) and on a small model's whole peak
 (VmHWM, tests/test_memplan.py), which asks for a larger `a` (~200) than the ladder (~136): a = 160, k = 1.5.
 Without `k` the plan of a checkpointed fsdp run, whose peak is the optimizer step, was 30% under its measured
 peak. Llama's `a` keeps its measured ratio to GPT-2's (190 : 200).

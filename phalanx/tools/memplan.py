@@ -21,7 +21,7 @@ extra; DDP keeps its gradient buckets throughout, which are the gradients) and t
 gradients, optimizer state, extra). `a` (bytes per token per block per unit of width, fp32; bf16/fp16
 autocast keeps about 0.6 of it) and `k` were fitted on bench/big_models.py's ladder (private memory per rank,
 RssAnon: GPT-2 shapes of 311 M to 941 M parameters, 2 processes, block 512, ddp and fsdp, with and without
-activation checkpointing; every rung within 11% of its measured peak) and on a small model's whole peak
+activation checkpointing; every rung within 10% of its measured peak) and on a small model's whole peak
 (VmHWM, tests/test_memplan.py), which asks for a larger `a` (~200) than the ladder (~136): a = 160, k = 1.5.
 Without `k` the plan of a checkpointed fsdp run, whose peak is the optimizer step, was 30% under its measured
 peak. Llama's `a` keeps its measured ratio to GPT-2's (190 : 200).
@@ -42,8 +42,9 @@ GB = 2 ** 30
 ACTIVATION_BYTES = {"gpt2": 160.0, "llama": 152.0}
 HALF_ACTIVATIONS = 0.6       # what bf16/fp16 autocast keeps of them
 EXTRA = 1.5                  # k: gradient-sized memory on top (see the docstring)
-# a worker before training here / cuBLAS workspaces, allocator slack (unmeasured)
-RUNTIME = {"cpu": 0.5 * GB, "cuda": 0.3 * GB}
+# a worker before training here (~0.5 GB private, ~0.1 GB of its libraries' resident pages, which the
+# whole-peak measure counts) / cuBLAS workspaces, allocator slack (unmeasured)
+RUNTIME = {"cpu": 0.6 * GB, "cuda": 0.3 * GB}
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 from conftest import SHAKESPEARE, metrics, phalanx
+from test_prepare import tokenizer_dir
 
 from phalanx.core.config import load_config
 from phalanx.tools import memplan
@@ -30,6 +31,24 @@ def test_fsdp_shards_what_the_optimizer_holds_and_lora_trains_little():
     ls = memplan.shapes(lora)
     assert ls.trainable < 0.05 * ls.parameters
     assert memplan.estimate(lora, ls, 1, "cpu", 100 * GB).optimizer < 0.05 * ddp.optimizer
+
+
+def test_every_k_counts_the_blocks_the_trainer_checkpoints():
+    """5 blocks, every 2nd: blocks 0, 2, 4 are checkpointed (model/checkpointing.py), so 2 keep activations."""
+    cfg = cfg_of("model.n_layer=5", "train.activation_checkpointing=every_k", "train.activation_checkpointing_every=2")
+    s = memplan.shapes(cfg)
+    tokens = cfg.train.micro_batch_size * cfg.model.block_size
+    a = memplan.ACTIVATION_BYTES["gpt2"]
+    expected = (4 * 3 + a * (2 + 1)) * tokens * s.hidden
+    assert memplan.estimate(cfg, s, 1, "cpu", 100 * GB).activations == pytest.approx(expected)
+
+
+def test_a_pretrained_tokenizer_sizes_the_vocabulary(tmp_path):
+    """Workers build the model with len(tokenizer) when data.tokenizer is set; data.vocab_size only trains one."""
+    folder = tokenizer_dir(tmp_path, SHAKESPEARE.read_text()[:20000])
+    s = memplan.shapes(cfg_of(f"data.tokenizer={folder}", "data.vocab_size=8192"))
+    from transformers import AutoTokenizer
+    assert s.vocab == len(AutoTokenizer.from_pretrained(folder)) != 8192
 
 
 def test_a_plan_that_does_not_fit_names_the_smallest_change():

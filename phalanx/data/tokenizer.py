@@ -66,12 +66,12 @@ def save_trained(tok, kind: str, folder: Path) -> None:
     (folder / SPECIALS_FILE).write_text(json.dumps(SPECIALS[kind]), encoding="utf-8")
 
 
-def load_pretrained(spec: str):
+def load_pretrained(spec: str, **options):
     from transformers import (
         AutoTokenizer,  # lazy: transformers costs ~2 s, preparation never needs it
     )
 
-    return AutoTokenizer.from_pretrained(hub_name(spec))
+    return AutoTokenizer.from_pretrained(hub_name(spec), **options)
 
 
 def load_saved(folder: str | Path):

@@ -255,8 +255,8 @@ def run(args) -> int:
 
     config = next((i for i in args.items if "=" not in i), None)
     cfg = load_config(config, [i for i in args.items if i != config]) if args.items else None
-    _, nodes = parse_nnodes(args.nnodes)
-    nproc, world = args.nproc_per_node, nodes * args.nproc_per_node
+    fewest, nodes = parse_nnodes(args.nnodes)
+    nproc = args.nproc_per_node
     backend = pick_backend(cfg.dist.backend if cfg else "auto")
     rep = Report()
     check_torch(rep, backend, nproc)
@@ -265,7 +265,8 @@ def run(args) -> int:
     if nodes > 1:
         rep.add("warning", "multi-node", f"{nodes} nodes: only this node is checked; run doctor on every node")
     check_allreduce(rep, nproc, backend, args.timeout)
-    needed = check_memory(rep, cfg, world, nproc, backend, avail) if cfg else 0.0
+    # planned at the fewest nodes elastic membership allows, as the launcher does: the largest FSDP shard
+    needed = check_memory(rep, cfg, fewest * nproc, nproc, backend, avail) if cfg else 0.0
     check_run_dir(rep, Path(args.run_dir or (cfg.run_dir if cfg else "runs")), needed)
     problems, warnings = rep.count("problem"), rep.count("warning")
     print(f"verdict: {'PROBLEM' if problems else 'ok'} ({problems} problem(s), {warnings} warning(s))", flush=True)

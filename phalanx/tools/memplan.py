@@ -36,6 +36,7 @@ import torch
 
 from phalanx.core.config import Config, ConfigError, check_world, hub_name
 from phalanx.core.registry import TASKS
+from phalanx.model.checkpointing import checkpointed_blocks
 
 GB = 2 ** 30
 # bytes of saved activations per (token x block x width unit), fp32, fitted on CPU (see the docstring)
@@ -85,6 +86,9 @@ class Plan:
 def shapes(cfg: Config) -> Shapes:
     import transformers  # only here: ~2 s, and only what the plan needs
 
+    from phalanx.data.tokenizer import load_pretrained
+    from phalanx.model.build import count_parameters
+    from phalanx.model.shard import transformer_blocks
     from phalanx.tasks import get_task
 
     task = get_task(cfg.task)
@@ -92,13 +96,15 @@ def shapes(cfg: Config) -> Shapes:
         if cfg.model.pretrained:
             config = transformers.AutoConfig.from_pretrained(hub_name(cfg.model.pretrained), local_files_only=True)
             model = getattr(transformers, task.AUTO_MODEL).from_config(config)
-        else:
-            model = task.model_for(cfg, cfg.data.vocab_size, 0)
+        else:  # the workers size the vocabulary by the tokenizer: data.vocab_size only trains one
+            vocab = len(load_pretrained(cfg.data.tokenizer, local_files_only=True)) if cfg.data.tokenizer else \
+                cfg.data.vocab_size
+            model = task.model_for(cfg, vocab, 0)
     mc = model.config
-    blocks = next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)), [])
-    per_block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
-    total = sum(p.numel() for p in model.parameters())
-    root = total - sum(sum(p.numel() for p in b.parameters()) for b in blocks)
+    blocks = transformer_blocks(model)
+    per_block = max((count_parameters(b) for b in blocks), default=0)
+    total = count_parameters(model)
+    root = total - sum(count_parameters(b) for b in blocks)
     return Shapes(arch=mc.model_type, parameters=total, trainable=_trainable(model, cfg, total),
                   layers=mc.num_hidden_layers, hidden=mc.hidden_size, vocab=mc.vocab_size,
                   largest_unit=max(per_block, root))
@@ -120,23 +126,16 @@ def _trainable(model, cfg: Config, total: int) -> int:
     return count
 
 
-def _checkpointing(cfg: Config) -> str:
-    return getattr(cfg.train, "activation_checkpointing", "none")
-
-
 def estimate(cfg: Config, s: Shapes, world: int, device: str, available: float) -> Plan:
     t = cfg.train
     shard = world if t.strategy == "fsdp" and world > 1 else 1
     half = t.precision in ("bf16", "fp16") or (t.precision == "auto" and device == "cuda")
     per_token = ACTIVATION_BYTES.get(s.arch, max(ACTIVATION_BYTES.values())) * (HALF_ACTIVATIONS if half else 1.0)
     tokens = t.micro_batch_size * _sequence(cfg)
-    mode = _checkpointing(cfg)
-    if mode == "none":
-        activations = per_token * s.layers * tokens * s.hidden
-    else:  # block inputs kept, one block recomputed at a time (every_k: the others as without it)
-        every = max(1, getattr(t, "activation_checkpointing_every", 1)) if mode == "every_k" else 1
-        kept = s.layers - s.layers // every
-        activations = (4 * (s.layers - kept) + per_token * (kept + 1)) * tokens * s.hidden
+    checkpointed = len(checkpointed_blocks(s.layers, t.activation_checkpointing, t.activation_checkpointing_every))
+    # a checkpointed block keeps its input, and one block is recomputed at a time; the others as without it
+    kept = s.layers - checkpointed
+    activations = (4 * checkpointed + per_token * (kept + (1 if checkpointed else 0))) * tokens * s.hidden
     logits = 12.0 * tokens * s.vocab if TASKS[cfg.task].token_logits else 0.0
     weights = 4.0 * s.parameters / shard + (2 * 4.0 * s.largest_unit if shard > 1 else 0.0)
     gradients, optimizer = 4.0 * s.trainable / shard, 8.0 * s.trainable / shard
@@ -167,7 +166,7 @@ def suggest(cfg: Config, s: Shapes, world: int, device: str, avail: float) -> st
     global batch, then these together; None when nothing listed fits."""
     t = cfg.train
     options = []
-    if _checkpointing(cfg) == "none" and hasattr(t, "activation_checkpointing"):
+    if t.activation_checkpointing == "none":
         options.append(("train.activation_checkpointing=full", {"activation_checkpointing": "full"}))
     if t.strategy == "ddp" and world > 1 and not cfg.model.lora.r:
         options.append(("train.strategy=fsdp", {"strategy": "fsdp"}))

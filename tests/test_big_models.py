@@ -163,6 +163,37 @@ def test_a_grown_vocabulary_keeps_the_old_rows_and_starts_new_ones_at_their_mean
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
+def test_a_hub_model_shipped_as_pytorch_model_bin_only_loads(tmp_path, folders, monkeypatch):
+    """The hub snapshot asks for safetensors first; a model that has none is fetched again for its .bin
+    files (a fake hub: the patterns decide which files of a saved folder arrive)."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+    from transformers import AutoModelForCausalLM
+
+    saved = tmp_path / "saved"  # the configs, and the weights as torch.save wrote them (transformers 5 only
+    saved.mkdir()               # writes safetensors)
+    for f in folders["gpt2"].glob("*.json"):
+        shutil.copy(f, saved / f.name)
+    torch.save(AutoModelForCausalLM.from_pretrained(folders["gpt2"]).state_dict(), saved / "pytorch_model.bin")
+
+    def snapshot_download(name, allow_patterns):
+        out = tmp_path / f"snapshot-{len(list(tmp_path.glob('snapshot-*')))}"
+        out.mkdir()
+        for f in saved.iterdir():
+            if any(fnmatch.fnmatch(f.name, pattern) for pattern in allow_patterns):
+                shutil.copy(f, out / f.name)
+        return str(out)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    model = Builder(seed=1).build(partial(causal_lm, ModelConfig(pretrained=str(saved)), 0, 0), "someone/only-bin")
+    reference = AutoModelForCausalLM.from_pretrained(folders["gpt2"], dtype=torch.float32).eval()
+    ids = torch.arange(24).reshape(2, 12)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
 def test_a_shape_mismatch_is_an_error_for_lm_and_a_new_head_for_classify(tmp_path, folders):
     with pytest.raises(ConfigError, match="model.pretrained.*transformer.wte.weight.*shape"):
         Builder(seed=1).build(partial(causal_lm, TINY["gpt2"], 200, 0), str(folders["gpt2"]))  # 300 rows saved

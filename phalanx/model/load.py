@@ -32,7 +32,10 @@ def pretrained_folder(spec: str) -> Path:
         return folder
     from huggingface_hub import snapshot_download  # lazy: only a hub name needs it
 
-    return Path(snapshot_download(hub_name(spec), allow_patterns=["*.json", "*.safetensors"]))
+    folder = Path(snapshot_download(hub_name(spec), allow_patterns=["*.json", "*.safetensors"]))
+    if not any(folder.glob("*.safetensors")):  # a model shipped as pytorch_model*.bin only
+        folder = Path(snapshot_download(hub_name(spec), allow_patterns=["*.json", "pytorch_model*.bin"]))
+    return folder
 
 
 class SafetensorsFile:

@@ -65,7 +65,6 @@ class Builder:
         init_by_name(model, template, {n for n, m in template.named_modules() if id(m) in blocks}, self.seed, todo)
         if self.buffer_device is not None:
             _move_buffers(model, self.buffer_device)
-        check_tied(model, template)
         return model
 
 
@@ -88,15 +87,6 @@ def retie(model: nn.Module, template: nn.Module) -> None:
         if owner != name and model.get_parameter(owner) is not model.get_parameter(name):
             module, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(module), leaf, model.get_parameter(owner))
-
-
-def check_tied(model: nn.Module, template: nn.Module) -> None:
-    """Tensors shared in the definition (tied input and output embeddings) are still one tensor."""
-    first: dict[int, str] = {}
-    for name, param in template.named_parameters(remove_duplicate=False):
-        owner = first.setdefault(id(param), name)
-        if owner != name and model.get_parameter(owner) is not model.get_parameter(name):
-            raise RuntimeError(f"'{name}' and '{owner}' were tied in the model's definition and no longer are")
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:

@@ -27,11 +27,12 @@ import torch.distributed as tdist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from phalanx.core import dist
+from phalanx.core.config import TrainConfig
 from phalanx.core.runfolder import RunFolder
 from phalanx.model.build import tie_shared
 from phalanx.model.slices import local, rows
 
-DEFAULT_SHARD_MB = 2048.0  # train.export_shard_mb's default
+DEFAULT_SHARD_MB = TrainConfig().export_shard_mb
 INDEX = "model.safetensors.index.json"
 
 
@@ -89,7 +90,7 @@ def write_sharded(model: torch.nn.Module, entries, out: Path, info: dist.DistInf
     from safetensors.torch import save_file  # lazy: only the sharded export needs it
 
     files = plan_files(entries, limit)
-    out.mkdir(parents=True, exist_ok=True)  # every writer: nodes may not share a file system
+    out.mkdir(parents=True, exist_ok=True)  # whichever rank writes first (the run folder is shared)
     names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = None

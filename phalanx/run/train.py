@@ -33,7 +33,7 @@ from phalanx.core.runfolder import RunFolder, write_json
 from phalanx.data.samplers import GlobalBatchSampler
 from phalanx.model import precision
 from phalanx.model.build import count_parameters, model_builder, quiet_transformers, wrap
-from phalanx.model.lora import base_identity
+from phalanx.model.lora import base_identity, trainable_parameters
 from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl
 from phalanx.run.batches import BatchSource
 from phalanx.run.checkpoint import CheckpointDict, Checkpointer, resolve_resume
@@ -118,7 +118,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     run.probe(state.step, Phase.EXPORT)
     # counted before the export: a LoRA export merges the adapters into the base in place
     counts = {"parameters": count_parameters(tr.model),
-              "trainable_parameters": sum(p.numel() for p in tr.model.parameters() if p.requires_grad)}
+              "trainable_parameters": trainable_parameters(tr.model)}
     export_final(tr.model, task, folder, info, t.export_shard_mb)
     return _finish(run, tr, task, state, eval_metrics, accum, counts)
 

@@ -11,6 +11,7 @@ import torch
 from phalanx.core.config import Config, ConfigError
 from phalanx.data import prepare
 from phalanx.data.sample import check_sample
+from phalanx.model.shard import Builder
 
 
 class Task(Protocol):
@@ -34,7 +35,7 @@ class Task(Protocol):
     # ---- in every worker
     def open_data(self) -> None: ...  # the prepared data, memory-mapped: sets train_set, val_set, tokenizer
     def train_order(self, data_order: int): ...
-    def build_model(self) -> torch.nn.Module: ...
+    def build_model(self, builder=None) -> torch.nn.Module: ...
     def collate(self, dataset, indices) -> dict: ...
     def target_count(self, batch: dict) -> int: ...
     def batch_tokens(self, batch: dict) -> int: ...
@@ -51,6 +52,7 @@ class TaskBase:
     name = ""
     ARCHS: tuple[str, ...] = ()
     FORMAT: prepare.RecordFormat  # the record format of the task's stores (data/prepare.py)
+    MISMATCHED = "error"  # a pretrained tensor of another shape: an error, or "init" (initialised anew)
 
     def __init__(self, cfg: Config, info):
         self.cfg, self.info = cfg, info
@@ -83,6 +85,13 @@ class TaskBase:
     def is_prepared(cls, cfg: Config) -> bool:
         """The task's stores for `cfg` exist and are current."""
         return prepare.is_prepared(cfg, cls.FORMAT)
+
+    # ---- model ------------------------------------------------------------------------------
+    def build_model(self, builder: Builder | None = None) -> torch.nn.Module:
+        """The model with its weights (the task's `define_model`): built by `builder` (the trainer's:
+        sharded, checkpointed, on its device), or whole on the CPU."""
+        return (builder or Builder(seed=self.cfg.train.seed)).build(self.define_model, self.cfg.model.pretrained,
+                                                                     mismatched=self.MISMATCHED)
 
     def next_commands(self, run_dir) -> list[str]:
         """What to run on the finished run (printed at the end of training)."""

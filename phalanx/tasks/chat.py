@@ -134,9 +134,9 @@ class ChatTask(TaskBase):
         return model
 
     def build_model(self, builder: Builder | None = None) -> torch.nn.Module:
-        """The model with its weights (see LMTask.build_model), then LoRA's adapters (peft draws them from
+        """The model with its weights (see TaskBase.build_model), then LoRA's adapters (peft draws them from
         torch's global generator, which the trainer seeds)."""
-        model = (builder or Builder(seed=self.cfg.train.seed)).build(self.define_model, self.cfg.model.pretrained)
+        model = super().build_model(builder)
         if self.cfg.model.lora.r:
             model = apply_lora(model, self.cfg.model.lora, list(range(self.base_vocab, len(self.tokenizer))))
         return model

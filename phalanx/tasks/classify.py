@@ -16,7 +16,6 @@ from phalanx.data import tokenizer as toks
 from phalanx.data.classify_store import CLASSIFY, EncodedSet
 from phalanx.data.samplers import length_grouped_order, shuffled_order
 from phalanx.model.build import classifier
-from phalanx.model.shard import Builder
 from phalanx.tasks.base import TaskBase
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -37,6 +36,7 @@ class ClassifyTask(TaskBase):
     name = "classify"
     ARCHS = ("bert", "roberta", "distilbert")
     AUTO_MODEL = "AutoModelForSequenceClassification"
+    MISMATCHED = "init"  # a pretrained model's head for another number of labels is initialised anew
     FORMAT = CLASSIFY
 
     def __init__(self, cfg: Config, info):
@@ -104,12 +104,6 @@ class ClassifyTask(TaskBase):
 
     def define_model(self):
         return self.model_for(self.cfg, len(self.tokenizer), self.tokenizer.pad_token_id, self.names)
-
-    def build_model(self, builder: Builder | None = None):
-        """The model with its weights (see LMTask.build_model); a pretrained model's head for another number
-        of labels is initialised anew."""
-        return (builder or Builder(seed=self.cfg.train.seed)).build(self.define_model, self.cfg.model.pretrained,
-                                                                     mismatched="init")
 
     def collate(self, dataset: EncodedSet, indices) -> dict:
         batch = pad_batch([dataset.example(int(i)) for i in indices], self.tokenizer.pad_token_id,

@@ -12,7 +12,6 @@ from phalanx.data import lm_store, prepare, store
 from phalanx.data import tokenizer as toks
 from phalanx.data.samplers import shuffled_order
 from phalanx.model.build import causal_lm
-from phalanx.model.shard import Builder
 from phalanx.tasks.base import TaskBase
 
 IGNORE = -100
@@ -100,11 +99,6 @@ class LMTask(TaskBase):
 
     def define_model(self):
         return self.model_for(self.cfg, len(self.tokenizer), self.tokenizer.eos_token_id)
-
-    def build_model(self, builder: Builder | None = None):
-        """The model with its weights: built by `builder` (the trainer's: sharded, checkpointed, on its
-        device), or whole on the CPU."""
-        return (builder or Builder(seed=self.cfg.train.seed)).build(self.define_model, self.cfg.model.pretrained)
 
     def collate(self, dataset: PackedBlocks, indices) -> dict:
         blocks = torch.from_numpy(dataset.batch(indices))

@@ -62,6 +62,7 @@ def test_named_init_keeps_transformers_rules(arch):
         define = partial(classifier, m, 500, 0, 64, {0: "a", 1: "b"})
     else:
         define = partial(causal_lm, m, 500, 0)
+    torch.manual_seed(0)  # transformers' init draws from the global generator: the same draws every run
     ours, theirs = Builder(seed=3).build(define), define()  # define() outside a Builder: transformers' init
     assert [n for n, _ in ours.state_dict().items()] == [n for n, _ in theirs.state_dict().items()]
     for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
@@ -69,7 +70,9 @@ def test_named_init_keeps_transformers_rules(arch):
             assert torch.equal(a, b), name  # ones, zeros
         else:
             (ma, sa), (_, sb) = _stats(a), _stats(b)
-            assert abs(ma) < 4 * sb / math.sqrt(a.numel()) + 1e-4 and sa == pytest.approx(sb, rel=0.1), name
+            # two samples of n draws: their stds differ by ~sqrt(1/n) relative; 5 of those (10% at least)
+            spread = max(0.1, 5 / math.sqrt(a.numel()))
+            assert abs(ma) < 4 * sb / math.sqrt(a.numel()) + 1e-4 and sa == pytest.approx(sb, rel=spread), name
     buffers = dict(theirs.named_buffers())  # rotary inv_freq, position ids: not in the state dict
     assert buffers.keys() == dict(ours.named_buffers()).keys()
     assert all(torch.equal(b, buffers[n]) for n, b in ours.named_buffers())

@@ -209,7 +209,9 @@ print(watch.peak_total)
 
 
 def test_peak_memory_of_preparing_does_not_grow_with_the_corpus(tmp_path):
-    """10 MB and 100 MB: the whole process tree's peak (sampled every 100 ms) stays within 150 MB."""
+    """10 MB and 100 MB: the whole process tree's peak (sampled every 100 ms) stays within 150 MB. Each size
+    is prepared twice and the lower peak kept: a transient on a busy machine only ever adds (once a 10 MB run
+    peaked 400 MB above its 100 MB one), while memory that grew with the corpus would show in both."""
     line_source = SHAKESPEARE.read_text(encoding="utf-8")
     peaks = {}
     for mb in (10, 100):
@@ -217,10 +219,13 @@ def test_peak_memory_of_preparing_does_not_grow_with_the_corpus(tmp_path):
         with open(text, "w", encoding="utf-8") as f:
             for _ in range(mb * 1_000_000 // len(line_source) + 1):
                 f.write(line_source)
-        out = subprocess.run([sys.executable, "-c", PEAK, "prepare", f"data.train={text}", "data.vocab_size=400",
-                              "data.tokenizer_sample_mb=2", "data.shard_mb=8", "--workers", "2", "--quiet",
-                              f"data.cache_dir={tmp_path / f'cache{mb}'}"],
-                             cwd=REPO, capture_output=True, text=True, check=True, timeout=300)
-        peaks[mb] = int(out.stdout.split()[-1])
+        runs = []
+        for rep in range(2):  # a cache folder each: the second run prepares again
+            out = subprocess.run([sys.executable, "-c", PEAK, "prepare", f"data.train={text}", "data.vocab_size=400",
+                                  "data.tokenizer_sample_mb=2", "data.shard_mb=8", "--workers", "2", "--quiet",
+                                  f"data.cache_dir={tmp_path / f'cache{mb}-{rep}'}"],
+                                 cwd=REPO, capture_output=True, text=True, check=True, timeout=300)
+            runs.append(int(out.stdout.split()[-1]))
+        peaks[mb] = min(runs)
         text.unlink()
     assert abs(peaks[100] - peaks[10]) < 150 << 20, {k: v >> 20 for k, v in peaks.items()}

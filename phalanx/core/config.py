@@ -95,9 +95,23 @@ class DataConfig:
     train_on: str = _f("assistant", "chat: tokens that are training targets: every assistant message and its "
                        "end-of-turn token, only the last assistant message, or all tokens",
                        choices=["assistant", "last", "all"])
-    truncation: str = _f("turns", "chat: a conversation longer than model.block_size drops whole turns from "
-                         "the end (the system message stays; a first exchange that is too long is cut on the "
-                         "right), or is cut on the right", choices=["turns", "right"])
+    truncation: str = _f("keep_end", "chat: a conversation longer than model.block_size keeps its end: keep_end "
+                         "drops the oldest turns first (the system message stays), then cuts the first user turn "
+                         "that is left from its start, and never cuts a reply (a record whose last exchange "
+                         "still does not fit is dropped and counted); turns drops whole turns from the end (a "
+                         "first exchange that is too long is cut on the right); right cuts on the right",
+                         choices=["keep_end", "turns", "right"])
+    max_dropped_fraction: float = _f(0.05, "chat: the most training records the data step may drop (too long "
+                                     "for model.block_size, refused by the chat template, nothing left to learn) "
+                                     "before it stops with exit 2; truncated records are kept and do not count",
+                                     min=0.0, max=1.0)
+    template_kwargs: dict = _f(None, "chat: keyword arguments for the chat template, e.g. {enable_thinking: "
+                               "false} (Qwen3); used alike when preparing, in RUN/final's template and by "
+                               "phalanx chat", factory=dict)
+    system_message: str = _f("auto", "chat: system messages: keep = as the template renders them (a template "
+                             "that refuses a system role is exit 2); fold = prepended to the first user turn "
+                             "(blank line between); auto = keep where the template accepts a system role, "
+                             "else fold", choices=["auto", "keep", "fold"])
     packing: bool = _f(True, "chat: pack whole conversations into rows of model.block_size tokens (each "
                        "attends only to itself); train.global_batch_size then counts rows. Off: one "
                        "conversation per row, padded per micro-batch, length-grouped")
@@ -124,6 +138,11 @@ class ModelConfig:
     block_size: int = _f(128, "lm: tokens per training sequence (context length)", min=8, max=1_000_000)
     dropout: float = _f(0.0, "dropout probability (masks are seeded per micro-batch, so runs stay "
                         "identical across world sizes)", min=0.0, max=0.9)
+    attn_implementation: str = _f("auto", "attention kernel of a transformers model: auto = the model's own "
+                                  "default (sdpa where the architecture supports it, else eager); sdpa, eager, "
+                                  "flex_attention, flash_attention_2 (needs the flash-attn package and a GPU); "
+                                  "the start line says which one runs",
+                                  choices=["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"])
     lora: LoraSettings = _f(None, "chat: low-rank adapters through peft (only they train; the base stays frozen)",
                             factory=LoraSettings)
 
@@ -178,11 +197,14 @@ class TrainConfig:
     cpu_offload: bool = _f(False, "fsdp on GPUs: keep parameter shards, their gradients and the optimizer state "
                            "in host memory (FSDP2's CPUOffloadPolicy; the optimizer step runs on the CPU); "
                            "exit 2 without a GPU")
-    export_shard_mb: float = _f(2048.0, "RUN/final: a model larger than this many megabytes (fp32) is written "
+    export_shard_mb: float = _f(2048.0, "RUN/final: a model larger than this many megabytes (in train.export_dtype) is written "
                                 "as sharded safetensors files of at most this size each, with "
                                 "model.safetensors.index.json, by all processes in parallel, each tensor "
                                 "gathered only to the process that writes it; smaller models are one "
                                 "model.safetensors written by rank 0", min=0.001)
+    export_dtype: str = _f("auto", "dtype of RUN/final's weights, cast from the fp32 master weights at export: "
+                           "auto = the pretrained base's own dtype (its config.json / safetensors), fp32 when "
+                           "training from scratch; fp32, bf16, fp16", choices=["auto", "fp32", "bf16", "fp16"])
     memory_check: str = _f("error", "when the memory plan (printed before workers start) says a rank will not fit "
                            "its GPU, or its share of host RAM on CPU: error = exit 2 naming the smallest change "
                            "that fits; warn = say so and start anyway", choices=["error", "warn"])
@@ -265,6 +287,7 @@ TRAINING_RELEVANT = ("task", "data.train", "data.validation", "data.val_fraction
                      "data.text_field", "data.text_pair_field", "data.label_field", "data.labels",
                      "data.chat_format", "data.messages_field", "data.prompt_field", "data.input_field",
                      "data.completion_field", "data.system_field", "data.train_on", "data.truncation",
+                     "data.template_kwargs", "data.system_message",
                      "data.packing",
                      "data.tokenizer", "data.vocab_size", "data.max_length", "data.group_by_length",
                      "model", "train.global_batch_size", "train.lr", "train.min_lr_ratio",
@@ -306,6 +329,11 @@ def _coerce(value: Any, tp, key: str):
             return [str(v) for v in value]
         if isinstance(value, str):
             return [v for v in value.split(",") if v]
+    elif tp is dict:
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return dict(value)
+        if value is None or value == "":
+            return {}
     shown = type(value).__name__ if value is not None else "nothing"
     raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {shown} ({value!r})")
 

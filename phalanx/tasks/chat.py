@@ -114,8 +114,9 @@ class ChatTask(TaskBase):
         self.train_set, self.val_set = self.data.train, self.data.validation
 
     def train_order(self, data_order: int):
+        """Packed rows (all as wide) and data.group_by_length=false: a plain shuffle; else length-grouped."""
         t = self.cfg.train
-        if self.train_set.lengths is None:  # packed rows: all as wide
+        if self.train_set.lengths is None or not self.cfg.data.group_by_length:
             return shuffled_order(len(self.train_set), lazy=True)
         return length_grouped_order(self.train_set.lengths, t.micro_batch_size, unit=t.global_batch_size)
 

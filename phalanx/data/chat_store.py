@@ -11,7 +11,7 @@ of the conversations are held out, and each part is packed on its own (a row nev
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -138,7 +138,8 @@ class ChatFormat(prepare.RecordFormat):
         else:
             rows = index.get("train_packed_rows") if packed else training_rows(cfg, train.n)
             sets = (train.view(packed, 0, rows), train.view(packed, rows, None))
-        return ChatData(tok_dir, *sets, end_of_turn=index["end_of_turn"], summary=index["summary"])
+        return ChatData(tok_dir, *sets, end_of_turn=index["end_of_turn"], summary=index["summary"],
+                        template_tokens=index.get("template_tokens", []))
 
 
 CHAT = ChatFormat()
@@ -275,3 +276,4 @@ class ChatData:
     validation: ChatSet
     end_of_turn: list[int]
     summary: dict
+    template_tokens: list[int] = field(default_factory=list)  # special tokens the chat template writes

@@ -72,3 +72,60 @@ def test_the_end_of_a_run_says_what_to_do_next(tmp_path, cache_dir):
     assert f'phalanx generate {run} --prompt' in proc.stdout
     out = phalanx("generate", run, "--prompt", "ROMEO:", "--max-new-tokens", "5", check=True)
     assert out.stdout.startswith("ROMEO:") and "Loading" not in out.stdout and "%|" not in out.stdout
+
+
+# ---- the README's chat path, every command on its own defaults (issue 25) ---------------------------------
+# Only what makes it fast is overridden (model size, steps); every setting the crash depended on stays the
+# default: the base's 128 positions (model.block_size) and phalanx chat's --max-new-tokens 256.
+QUICK = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "train.max_steps=2", "train.warmup_steps=1",
+         "train.eval_every=0", "train.eval_max_samples=8", "log.progress=off"]
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory, cache_dir):
+    """`phalanx train` (the built-in default), then `phalanx train examples/chat.yaml model.pretrained=...`."""
+    root = tmp_path_factory.mktemp("readme-chat")
+    base, run = root / "default", root / "chat"
+    phalanx("train", f"data.cache_dir={cache_dir}", "--run-dir", base, *QUICK, check=True, timeout=240)
+    phalanx("train", "examples/chat.yaml", f"model.pretrained={base / 'final'}", f"data.cache_dir={cache_dir}",
+            "--run-dir", run, *QUICK, check=True, timeout=240)
+    return run
+
+
+def _chat(run, *args, stdin: str | None = None):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    return subprocess.run([sys.executable, "-m", "phalanx", "chat", str(run), *args], cwd=REPO, input=stdin,
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_phalanx_chat_on_its_defaults_answers_and_says_the_reply_limit_once(chat_run):
+    proc = _chat(chat_run, "--message", "What does os.path.join do?")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("replies are limited to what the context leaves (128 positions") == 1
+    # interactive, stdin piped: three turns, a reset, and the end of input; the limit is said once
+    proc = _chat(chat_run, stdin="Hello\nWhat is a tuple?\n/reset\nAnd a list?\n")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.count("assistant> ") == 3 and proc.stdout.count("you> ") == 5
+    assert proc.stderr.count("replies are limited") == 1
+
+
+def test_phalanx_chat_drops_the_oldest_turns_and_refuses_only_a_message_that_cannot_fit(chat_run):
+    from phalanx.tools.chat import Chat
+
+    chat = Chat(chat_run / "final")
+    for text in ["one two three four five six seven eight nine ten"] * 6:  # fills 128 positions in a few turns
+        ids, budget = chat.ask(text, 256)
+        assert budget >= 64 and ids.shape[1] + budget == 128  # at least half the context is kept for the reply
+        chat.history.append({"role": "assistant", "content": "eleven twelve thirteen fourteen"})
+    assert chat.history[0]["content"] != "" and len(chat.history) < 12  # the oldest exchanges went
+    assert any("oldest turns are dropped" in n for n in chat.take_notes())
+    long = " ".join(["word"] * 400)
+    proc = _chat(chat_run, "--message", long)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "128 positions" in lines[0], proc.stderr[-2000:]
+    proc = _chat(chat_run, stdin=f"{long}\nHello\n")  # interactive: said, and the session goes on
+    assert proc.returncode == 0 and "128 positions" in proc.stderr and proc.stdout.count("assistant> ") == 1

@@ -30,7 +30,11 @@ def add_arguments(p) -> None:
 
 
 class Chat:
-    """A conversation with RUN/final's model: `reply(text)` appends the user's turn and the answer."""
+    """A conversation with RUN/final's model: `reply(text)` appends the user's turn and the answer.
+
+    The context holds the prompt and the reply: at most half of it is reserved for the reply (up to
+    max_new_tokens), so the history keeps the other half; the oldest exchanges are dropped first when the
+    prompt outgrows it. A last message so long that no token of reply would fit is a ConfigError."""
 
     def __init__(self, final, system: str = "", device: torch.device | None = None):
         self.model, self.tokenizer = load_causal_lm(final)
@@ -40,38 +44,75 @@ class Chat:
         self.model.to(self.device)
         self.system = system
         self.history: list[dict] = []
-        self.positions = getattr(self.model.config, "n_positions", None) or \
-            getattr(self.model.config, "max_position_embeddings", 2048)
+        config = self.model.config
+        self.positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+        self.notes: list[str] = []  # said once each (the caller prints them)
+        self._said: set[str] = set()
 
     def reset(self) -> None:
         self.history = []
 
-    def _prompt(self, max_new_tokens: int) -> torch.Tensor:
-        """The rendered history with the assistant's turn opened; the oldest turns go first if too long."""
-        while True:
-            messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.history
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True, return_tensors="pt")["input_ids"]
-            if ids.shape[1] + max_new_tokens <= self.positions or len(self.history) <= 1:
-                return ids[:, -(self.positions - max_new_tokens):].to(self.device)
-            self.history = self.history[2:]
+    def _note(self, text: str) -> None:
+        if text not in self._said:
+            self._said.add(text)
+            self.notes.append(text)
+
+    def _render(self) -> torch.Tensor:
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.history
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True, return_tensors="pt")["input_ids"]
+
+    def _prompt(self, max_new_tokens: int) -> tuple[torch.Tensor, int]:
+        """The rendered history with the assistant's turn opened, and the reply budget that fits after it."""
+        ids = self._render()
+        if self.positions is None:
+            return ids.to(self.device), max_new_tokens
+        reserve = min(max_new_tokens, self.positions // 2)
+        dropped = 0
+        while ids.shape[1] + reserve > self.positions and len(self.history) > 1:
+            self.history = self.history[2:]  # the oldest exchange (user + assistant)
+            dropped += 1
+            ids = self._render()
+        if dropped:
+            self._note(f"phalanx: the conversation outgrew the model's {self.positions} positions: the oldest "
+                       f"turns are dropped")
+        budget = min(max_new_tokens, self.positions - ids.shape[1])
+        if budget < 1:
+            self.history.pop()  # the message that does not fit is not kept either
+            raise ConfigError(f"the message is {ids.shape[1]} tokens with the chat template; the model has "
+                              f"{self.positions} positions: shorten it (or use a shorter --system)")
+        if budget < max_new_tokens:
+            self._note(f"phalanx: replies are limited to what the context leaves ({self.positions} positions; "
+                       f"--max-new-tokens {max_new_tokens} asked for more)")
+        return ids.to(self.device), budget
+
+    def ask(self, text: str, max_new_tokens: int = 256) -> tuple[torch.Tensor, int]:
+        """Append the user's turn; the prompt to answer it and the reply budget (ConfigError: it does not fit)."""
+        self.history.append({"role": "user", "content": text})
+        return self._prompt(max_new_tokens)
 
     @torch.no_grad()
-    def reply(self, text: str, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 50,
-              stream: bool = False) -> str:
-        self.history.append({"role": "user", "content": text})
-        ids = self._prompt(max_new_tokens)
+    def answer(self, ids: torch.Tensor, budget: int, temperature: float = 0.0, top_k: int = 50,
+               stream: bool = False) -> str:
+        """Generate the reply to the prompt `ids` (from `ask`) and append it to the history."""
         streamer = None
         if stream:
             from transformers import TextStreamer  # lazy: only interactive sessions stream
 
             streamer = TextStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
                                   do_sample=temperature > 0, temperature=temperature or None,
                                   top_k=top_k if temperature > 0 else None, streamer=streamer)
         answer = self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
         self.history.append({"role": "assistant", "content": answer})
         return answer
+
+    def reply(self, text: str, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 50) -> str:
+        return self.answer(*self.ask(text, max_new_tokens), temperature, top_k)
+
+    def take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
 
 
 def run(args) -> int:
@@ -86,7 +127,9 @@ def run(args) -> int:
     chat = Chat(folder.final, args.system)
     if args.message is not None:
         temperature = args.temperature if args.temperature is not None else 0.0
-        print(chat.reply(args.message, args.max_new_tokens, temperature, args.top_k))
+        answer = chat.reply(args.message, args.max_new_tokens, temperature, args.top_k)
+        _say(chat.take_notes())
+        print(answer)
         return EXIT_OK
     temperature = args.temperature if args.temperature is not None else 0.7
     print(f"phalanx chat with {folder.final} (/reset forgets the conversation, /exit or Ctrl-D leaves)",
@@ -103,5 +146,16 @@ def run(args) -> int:
             chat.reset()
             continue
         if text:
+            try:
+                ids, budget = chat.ask(text, args.max_new_tokens)
+            except ConfigError as e:  # a message too long for the context: said, and the session goes on
+                print(f"phalanx: {e}", file=sys.stderr)
+                continue
+            _say(chat.take_notes())
             print("assistant> ", end="", flush=True)
-            chat.reply(text, args.max_new_tokens, temperature, args.top_k, stream=True)
+            chat.answer(ids, budget, temperature, args.top_k, stream=True)
+
+
+def _say(notes: list[str]) -> None:
+    for note in notes:
+        print(note, file=sys.stderr)

@@ -129,3 +129,10 @@ def test_phalanx_chat_drops_the_oldest_turns_and_refuses_only_a_message_that_can
     assert proc.returncode == 2 and len(lines) == 1 and "128 positions" in lines[0], proc.stderr[-2000:]
     proc = _chat(chat_run, stdin=f"{long}\nHello\n")  # interactive: said, and the session goes on
     assert proc.returncode == 0 and "128 positions" in proc.stderr and proc.stdout.count("assistant> ") == 1
+
+
+def test_phalanx_generate_keeps_half_the_context_for_the_sample(chat_run):
+    base = chat_run.parent / "default"
+    proc = phalanx("generate", base, "--prompt", " ".join(["word"] * 300), "--max-new-tokens", "300", timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "limited to 64 new tokens (the model has 128 positions)" in proc.stderr

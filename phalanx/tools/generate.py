@@ -4,6 +4,8 @@ Only the sample goes to stdout (model loading is silenced), so the output can be
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from phalanx.core.config import ConfigError, load_config
@@ -40,8 +42,13 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int = 100, temperature: 
     model.to(device)
     torch.manual_seed(seed)
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
-    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 1024)
-    ids = ids[:, -(limit - max_new_tokens):] if ids.shape[1] + max_new_tokens > limit else ids
+    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if limit and ids.shape[1] + max_new_tokens > limit:
+        # the context holds prompt and sample: the prompt keeps its end, at least half goes to the sample
+        ids = ids[:, -max(limit - max_new_tokens, limit // 2):]
+        max_new_tokens = limit - ids.shape[1]
+        print(f"phalanx: the sample is limited to {max_new_tokens} new tokens (the model has {limit} positions)",
+              file=sys.stderr)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
                              temperature=temperature or None, top_k=top_k,

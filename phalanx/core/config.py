@@ -197,7 +197,8 @@ class TrainConfig:
     cpu_offload: bool = _f(False, "fsdp on GPUs: keep parameter shards, their gradients and the optimizer state "
                            "in host memory (FSDP2's CPUOffloadPolicy; the optimizer step runs on the CPU); "
                            "exit 2 without a GPU")
-    export_shard_mb: float = _f(2048.0, "RUN/final: a model larger than this many megabytes (in train.export_dtype) is written "
+    export_shard_mb: float = _f(2048.0, "RUN/final: a model larger than this many megabytes (in "
+                                "train.export_dtype) is written "
                                 "as sharded safetensors files of at most this size each, with "
                                 "model.safetensors.index.json, by all processes in parallel, each tensor "
                                 "gathered only to the process that writes it; smaller models are one "

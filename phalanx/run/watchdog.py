@@ -15,13 +15,13 @@ import json
 import os
 import threading
 import time
-from enum import StrEnum
+from enum import Enum
 from pathlib import Path
 
 from phalanx.core.runfolder import EXIT_HANG as HANG_EXIT
 
 
-class Phase(StrEnum):
+class Phase(str, Enum):  # not StrEnum: that is Python 3.11+, the floor is 3.10
     """The phases of step s, in the order a rank passes them (a rank at an earlier one is behind): first what
     s finished steps earned (evaluation, checkpoint), then the step itself; at the last step, the export."""
     EVAL = "eval"

@@ -183,8 +183,14 @@ def _conversations(tok):
     return [(e.ids, e.mask) for e in (cv.encode(tok, c, "assistant", 64, "turns", "x") for c in convs)]
 
 
+def _forward(model, batch) -> torch.Tensor:
+    """What ChatTask.logits runs: the model inputs the batch has, no key/value cache."""
+    return model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch},
+                 use_cache=False).logits
+
+
 def _loss_per_conversation(model, batch, spans) -> tuple[list[torch.Tensor], torch.Tensor]:
-    logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}, use_cache=False).logits
+    logits = _forward(model, batch)
     per_token = F.cross_entropy(logits.float()[0], batch["labels"][0], ignore_index=IGNORE, reduction="none")
     return [per_token[a:b].sum() for a, b in spans], per_token.sum()
 
@@ -200,7 +206,10 @@ def test_packed_equals_each_conversation_alone(tok, arch):
 
     def packed_run(confine: bool):
         model.zero_grad()
-        batch = collate_rows([convs], width, 0, confine=confine)
+        batch = collate_rows([convs], width, 0)
+        assert "attention_mask" not in batch  # transformers builds the masks from the restarting positions
+        if not confine:  # the negative control: positions that run on through the whole row
+            batch["position_ids"] = torch.arange(width)[None]
         losses, total = _loss_per_conversation(model, batch, spans)
         total.backward()
         return [float(v) for v in losses], {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -218,7 +227,7 @@ def test_packed_equals_each_conversation_alone(tok, arch):
     assert got == pytest.approx(alone, rel=1e-5, abs=1e-5)
     for n, g in grads.items():
         torch.testing.assert_close(got_grads[n], g, rtol=1e-5, atol=1e-5, msg=n)
-    # negative control: without the block-diagonal mask and restarting positions, conversations see each other
+    # negative control: without restarting positions, conversations see each other
     leaked, _ = packed_run(confine=False)
     assert leaked[0] == pytest.approx(alone[0], rel=1e-5)  # the first sees nothing before it either way
     assert any(abs(a - b) > 1e-3 for a, b in zip(leaked[1:], alone[1:]))
@@ -233,7 +242,7 @@ def test_masked_loss_equals_a_float64_reference(tok):
     task = ChatTask.__new__(ChatTask)
     with torch.no_grad():
         got = task.loss_sum(model, batch) / task.target_count(batch)
-        logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}, use_cache=False).logits
+        logits = _forward(model, batch)
     labels = batch["labels"]
     keep = labels != IGNORE
     logp = torch.log_softmax(logits.double(), -1)

@@ -7,12 +7,14 @@ never builds a model.
 """
 from __future__ import annotations
 
+import importlib.util
+from contextlib import contextmanager
 from functools import partial
 
 import torch
 from torch import nn
 
-from phalanx.core.config import ModelConfig, TrainConfig, hub_name
+from phalanx.core.config import ConfigError, ModelConfig, TrainConfig, hub_name
 from phalanx.model import precision
 from phalanx.model.checkpointing import apply_activation_checkpointing
 from phalanx.model.shard import Builder, fsdp_shard
@@ -48,23 +50,64 @@ def load_classifier(folder):
     return AutoModelForSequenceClassification.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
 
 
+# ---- attention implementation -------------------------------------------------------------------
+def check_attention(m: ModelConfig, device_type: str) -> None:
+    """model.attn_implementation against what this machine has (the launcher, before any worker starts);
+    whether the architecture has that kernel is transformers' to say when the model is built."""
+    impl, key = m.attn_implementation, "config key 'model.attn_implementation'"
+    if impl == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(f"{key}: flash_attention_2 needs the flash-attn package, which is not installed "
+                          f"(pip install flash-attn on a CUDA machine), or use sdpa")
+    if impl in ("flash_attention_2", "flex_attention") and device_type != "cuda":
+        why = "a CUDA GPU" if impl == "flash_attention_2" else \
+            "a GPU (torch's FlexAttention has no backward pass on the CPU)"
+        raise ConfigError(f"{key}: {impl} needs {why}; use sdpa or eager on the CPU")
+
+
+def _attention(m: ModelConfig) -> dict:
+    """The config/from_config keyword for model.attn_implementation; auto = the architecture's own default."""
+    return {} if m.attn_implementation == "auto" else {"attn_implementation": m.attn_implementation}
+
+
+@contextmanager
+def _attention_refused(m: ModelConfig):
+    """transformers refusing the chosen kernel (an architecture without it, a missing package) as a config error."""
+    try:
+        yield
+    except (ValueError, ImportError) as e:
+        if m.attn_implementation == "auto" or "attention" not in str(e).lower():
+            raise
+        reason = str(e).split(". ")[0]
+        raise ConfigError(f"config key 'model.attn_implementation': {m.attn_implementation} is not available: "
+                          f"{reason}; use auto (the architecture's default) or another one") from None
+
+
+def attention_in_use(model: nn.Module) -> str:
+    """The attention implementation a built transformers model runs ('' for another module)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) or ""
+
+
+# ---- architectures ------------------------------------------------------------------------------
 def causal_lm(m: ModelConfig, vocab_size: int, eos_id: int) -> nn.Module:
     """The causal LM's architecture: from the fields of `m`, or the pretrained model's config (its weights
-    are loaded by the Builder). Built on the current default device (meta under a Builder)."""
+    are loaded by the Builder), with model.attn_implementation. Built on the current default device (meta
+    under a Builder)."""
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    if m.pretrained:
-        return _pretrained_skeleton(AutoModelForCausalLM, m.pretrained)
-    if m.arch == "gpt2":
-        cfg = GPT2Config(vocab_size=vocab_size, n_positions=m.block_size, n_embd=m.n_embd, n_layer=m.n_layer,
-                         n_head=m.n_head, resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
-                         bos_token_id=eos_id, eos_token_id=eos_id)
-        return GPT2LMHeadModel(cfg)
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=m.n_embd, intermediate_size=4 * m.n_embd,
-                      num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=m.n_head,
-                      max_position_embeddings=m.block_size, attention_dropout=m.dropout,
-                      bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg)
+    with _attention_refused(m):
+        if m.pretrained:
+            return _pretrained_skeleton(AutoModelForCausalLM, m.pretrained, _attention(m))
+        if m.arch == "gpt2":
+            cfg = GPT2Config(vocab_size=vocab_size, n_positions=m.block_size, n_embd=m.n_embd, n_layer=m.n_layer,
+                             n_head=m.n_head, resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
+                             bos_token_id=eos_id, eos_token_id=eos_id, **_attention(m))
+            return GPT2LMHeadModel(cfg)
+        cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=m.n_embd, intermediate_size=4 * m.n_embd,
+                          num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=m.n_head,
+                          max_position_embeddings=m.block_size, attention_dropout=m.dropout,
+                          bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=True, **_attention(m))
+        return LlamaForCausalLM(cfg)
 
 
 def classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: int, id2label: dict[int, str]) -> nn.Module:
@@ -80,30 +123,32 @@ def classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: int, id
     )
 
     label2id = {v: k for k, v in id2label.items()}
-    if m.pretrained:
-        return _pretrained_skeleton(AutoModelForSequenceClassification, m.pretrained, num_labels=len(id2label),
-                                    id2label=id2label, label2id=label2id)
-    common = dict(vocab_size=vocab_size, pad_token_id=pad_id, num_labels=len(id2label), id2label=id2label,
-                  label2id=label2id)
-    if m.arch == "distilbert":
-        cfg = DistilBertConfig(dim=m.n_embd, n_layers=m.n_layer, n_heads=m.n_head, hidden_dim=4 * m.n_embd,
-                               max_position_embeddings=max_length, dropout=m.dropout,
-                               attention_dropout=m.dropout, seq_classif_dropout=m.dropout, **common)
-        return DistilBertForSequenceClassification(cfg)
-    kw = dict(hidden_size=m.n_embd, num_hidden_layers=m.n_layer, num_attention_heads=m.n_head,
-              intermediate_size=4 * m.n_embd, hidden_dropout_prob=m.dropout,
-              attention_probs_dropout_prob=m.dropout, **common)
-    if m.arch == "roberta":
-        return RobertaForSequenceClassification(RobertaConfig(max_position_embeddings=max_length + 2, **kw))
-    return BertForSequenceClassification(BertConfig(max_position_embeddings=max_length, **kw))
+    with _attention_refused(m):
+        if m.pretrained:
+            return _pretrained_skeleton(AutoModelForSequenceClassification, m.pretrained, _attention(m),
+                                        num_labels=len(id2label), id2label=id2label, label2id=label2id)
+        common = dict(vocab_size=vocab_size, pad_token_id=pad_id, num_labels=len(id2label), id2label=id2label,
+                      label2id=label2id, **_attention(m))
+        if m.arch == "distilbert":
+            cfg = DistilBertConfig(dim=m.n_embd, n_layers=m.n_layer, n_heads=m.n_head, hidden_dim=4 * m.n_embd,
+                                   max_position_embeddings=max_length, dropout=m.dropout,
+                                   attention_dropout=m.dropout, seq_classif_dropout=m.dropout, **common)
+            return DistilBertForSequenceClassification(cfg)
+        kw = dict(hidden_size=m.n_embd, num_hidden_layers=m.n_layer, num_attention_heads=m.n_head,
+                  intermediate_size=4 * m.n_embd, hidden_dropout_prob=m.dropout,
+                  attention_probs_dropout_prob=m.dropout, **common)
+        if m.arch == "roberta":
+            return RobertaForSequenceClassification(RobertaConfig(max_position_embeddings=max_length + 2, **kw))
+        return BertForSequenceClassification(BertConfig(max_position_embeddings=max_length, **kw))
 
 
-def _pretrained_skeleton(auto_class, spec: str, **config_changes) -> nn.Module:
+def _pretrained_skeleton(auto_class, spec: str, attention: dict, **config_changes) -> nn.Module:
     """A pretrained model's architecture from its config (and its generation config), in fp32."""
     from transformers import AutoConfig, GenerationConfig
 
     name = hub_name(spec)
-    model = auto_class.from_config(AutoConfig.from_pretrained(name, **config_changes), dtype=MASTER_DTYPE)
+    model = auto_class.from_config(AutoConfig.from_pretrained(name, **config_changes), dtype=MASTER_DTYPE,
+                                   **attention)
     try:
         model.generation_config = GenerationConfig.from_pretrained(name)
     except OSError:  # none saved: the default derived from the config stays

@@ -32,7 +32,7 @@ from phalanx.core.faults import parse_fault
 from phalanx.core.runfolder import RunFolder, write_json
 from phalanx.data.samplers import GlobalBatchSampler
 from phalanx.model import precision
-from phalanx.model.build import count_parameters, model_builder, quiet_transformers, wrap
+from phalanx.model.build import attention_in_use, count_parameters, model_builder, quiet_transformers, wrap
 from phalanx.model.lora import base_identity, trainable_parameters
 from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl
 from phalanx.run.batches import BatchSource
@@ -167,11 +167,14 @@ def checkpoint_dict(tr: Trainee, state: TrainState) -> CheckpointDict:
 
 def _start_line(cfg: Config, info: dist.DistInfo, tr: Trainee, accum: int) -> str:
     t = cfg.train
+    attention = attention_in_use(tr.model)  # what runs: model.attn_implementation, or the model's default
+    auto = " (auto)" if cfg.model.attn_implementation == "auto" else ""
     return (f"phalanx: task {cfg.task}, {count_parameters(tr.model) / 1e6:.2f}M parameters, world size "
             f"{info.world_size} ({info.backend}, {torch.get_num_threads()} threads/process), global batch "
             f"{t.global_batch_size} = micro {t.micro_batch_size} x world {info.world_size} x accum {accum}, "
             f"precision {precision.describe(t.precision, tr.amp_dtype)}, strategy "
             f"{t.strategy if info.world_size > 1 else 'single'}, optimizer AdamW {optimizer_impl(tr.optimizer)}"
+            + (f", attention {attention}{auto}" if attention else "")
             + (f", tf32 {'on' if t.tf32 else 'off'}" if info.device.type == "cuda" else ""))
 
 

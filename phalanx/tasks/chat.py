@@ -5,9 +5,9 @@ divided by the all-reduced count of supervised tokens of the whole global batch 
 every task — so gradient accumulation and N processes make the same update as one process. Padding,
 system, user and role-header tokens are never in the count.
 
-A sample is a packed row (whole conversations, each attending only to itself: position ids restart and
-a block-diagonal causal mask goes to SDPA; pad slots are a segment of their own, since a fully masked row
-would give NaN) or, with data.packing=false, one conversation padded per micro-batch.
+A sample is a packed row (whole conversations, each attending only to itself: position ids restart at
+each conversation and the model builds its own per-layer masks from them; pad slots are a segment of
+their own) or, with data.packing=false, one conversation padded per micro-batch (a 2-D padding mask).
 """
 from __future__ import annotations
 
@@ -33,33 +33,39 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 def collate_rows(samples: list[list[tuple[np.ndarray, np.ndarray]]], width: int, pad_id: int,
-                 confine: bool = True) -> dict:
+                 packed: bool = True) -> dict:
     """Rows of whole conversations, `width` tokens each. Token t's label is token t+1 of the same
-    conversation where the mask marks it a target, else -100. Each conversation gets position ids from 0
-    and attends causally to itself only (`confine=False` drops that: the negative control of the tests)."""
+    conversation where the mask marks it a target, else -100.
+
+    The model builds its own attention masks from what the batch says (a mask built here would be wrong
+    for some of them: eager attention adds it to the scores, sliding-window layers need their window, and
+    transformers takes any 4-D mask as final). Packed rows: position ids restarting at 0 for each
+    conversation and for the pad tail, and no attention mask: transformers then confines each segment to
+    itself, per layer type (full, sliding) and attention implementation; the forward must run without a
+    key/value cache (use_cache=False), which would turn that detection off. Unpacked rows (one
+    conversation each, padded on the right): a 2-D padding mask. Either way nothing `width x width`."""
     b = len(samples)
     ids = np.full((b, width), pad_id, dtype=np.int64)
     labels = np.full((b, width), IGNORE, dtype=np.int64)
     positions = np.zeros((b, width), dtype=np.int64)
-    segment = np.zeros((b, width), dtype=np.int64)
-    real = 0
+    real = np.zeros(b, dtype=np.int64)
     for r, segments in enumerate(samples):
+        if not packed and len(segments) != 1:
+            raise ValueError(f"an unpacked row holds one conversation, got {len(segments)}")
         t = 0
-        for k, (x, m) in enumerate(segments):
+        for x, m in segments:
             n = len(x)
-            ids[r, t:t + n], positions[r, t:t + n], segment[r, t:t + n] = x, np.arange(n), k
+            ids[r, t:t + n], positions[r, t:t + n] = x, np.arange(n)
             labels[r, t:t + n - 1] = np.where(m[1:], x[1:], IGNORE)
             t += n
-        positions[r, t:], segment[r, t:] = np.arange(width - t), len(segments)  # pad: a segment of its own
-        real += t
-    causal = np.tril(np.ones((width, width), dtype=bool))
-    if confine:
-        mask = (segment[:, :, None] == segment[:, None, :]) & causal
+        positions[r, t:] = np.arange(width - t)  # the pad tail: a segment of its own (never fully masked)
+        real[r] = t
+    batch = {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels), "real_tokens": int(real.sum())}
+    if packed:
+        batch["position_ids"] = torch.from_numpy(positions)
     else:
-        mask, positions = np.broadcast_to(causal, (b, width, width)), np.broadcast_to(np.arange(width), (b, width))
-    return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
-            "position_ids": torch.from_numpy(np.ascontiguousarray(positions)),
-            "attention_mask": torch.from_numpy(np.ascontiguousarray(mask[:, None])), "real_tokens": real}
+        batch["attention_mask"] = torch.from_numpy((np.arange(width)[None, :] < real[:, None]).astype(np.int64))
+    return batch
 
 
 def base_positions(cfg: Config) -> int | None:
@@ -136,17 +142,21 @@ class ChatTask(TaskBase):
 
     def build_model(self, builder: Builder | None = None) -> torch.nn.Module:
         """The model with its weights (see TaskBase.build_model), then LoRA's adapters (peft draws them from
-        torch's global generator, which the trainer seeds)."""
+        torch's global generator, which the trainer seeds). Under LoRA the embedding rows of the template's
+        tokens train too: those grown for it, and those the base has but may never have trained (a base
+        model's end-of-turn token), which would otherwise stay frozen."""
         model = super().build_model(builder)
         if self.cfg.model.lora.r:
-            model = apply_lora(model, self.cfg.model.lora, list(range(self.base_vocab, len(self.tokenizer))))
+            grown = set(range(self.base_vocab, len(self.tokenizer)))
+            model = apply_lora(model, self.cfg.model.lora, sorted(grown | set(self.data.template_tokens)))
         return model
 
     def collate(self, dataset: chat_store.ChatSet, indices) -> dict:
         samples = [dataset.segments(int(i)) for i in indices]
         width = self.cfg.model.block_size if dataset.lengths is None else \
             max((sum(len(x) for x, _ in s) for s in samples), default=1)
-        return collate_rows(samples, width, self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
+        return collate_rows(samples, width, self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                            packed=dataset.lengths is None)
 
     def target_count(self, batch: dict) -> int:
         return int((batch["labels"] != IGNORE).sum())
@@ -155,7 +165,8 @@ class ChatTask(TaskBase):
         return int(batch["real_tokens"])
 
     def logits(self, model, batch: dict) -> torch.Tensor:
-        return model(**{k: batch[k] for k in MODEL_INPUTS}, use_cache=False).logits
+        # use_cache=False: with a key/value cache transformers would not confine packed conversations
+        return model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False).logits
 
     def loss_sum(self, model, batch: dict) -> torch.Tensor:
         return F.cross_entropy(self.logits(model, batch).float().flatten(0, 1), batch["labels"].flatten(),

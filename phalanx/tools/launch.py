@@ -44,6 +44,7 @@ from phalanx.core.runfolder import (
     read_json,
 )
 from phalanx.model import precision
+from phalanx.model.build import check_attention
 from phalanx.model.lora import base_identity
 from phalanx.run.checkpoint import CheckpointError, check_safe, read_meta, resolve_resume
 from phalanx.run.watchdog import summarize
@@ -132,6 +133,7 @@ def check_hardware(cfg: Config) -> None:
     device_type = "cuda" if dist.pick_backend(cfg.dist.backend) == "nccl" else "cpu"
     precision.check_precision(cfg.train.precision, device_type)
     precision.check_offload(cfg.train.cpu_offload, device_type)
+    check_attention(cfg.model, device_type)
     if cfg.train.compile:
         precision.check_compile(device_type)
 

@@ -1,10 +1,13 @@
-"""Pretrained checkpoints saved in 16 bit load as fp32 master weights; train.precision decides compute.
+"""Pretrained checkpoints saved in 16 bit load as fp32 master weights; train.precision decides compute;
+RUN/final is written in train.export_dtype (auto: the base's own dtype).
 
 transformers 5 loads `dtype="auto"`: without phalanx asking for fp32, a bf16/fp16 folder (most hub models)
 would train 16-bit weights with 16-bit AdamW state, and fp16 GradScaler would refuse to unscale fp16
 gradients ("Attempting to unscale FP16 gradients").
 """
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -14,22 +17,26 @@ from safetensors import safe_open
 from phalanx.core.config import load_config
 from phalanx.data import tokenizer as toks
 from phalanx.model.build import build_causal_lm
+from phalanx.run.export import INDEX
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float16"])
-def half_folder(request, tmp_path_factory):
+def save_half(folder, dtype: torch.dtype):
     """A tiny GPT-2 with its tokenizer, saved with save_pretrained in 16 bit."""
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-    folder = tmp_path_factory.mktemp(f"gpt2-{request.param}")
     tok = PreTrainedTokenizerFast(tokenizer_object=toks.train_bpe([SHAKESPEARE.read_text()[:50_000]], 512),
                                   **toks.SPECIALS["bpe"])
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=64, n_layer=2, n_head=2,
                                        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id))
-    model.to(getattr(torch, request.param)).save_pretrained(folder)
+    model.to(dtype).save_pretrained(folder)
     tok.save_pretrained(folder)
-    return folder, getattr(torch, request.param)
+    return folder, dtype
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+def half_folder(request, tmp_path_factory):
+    return save_half(tmp_path_factory.mktemp(f"gpt2-{request.param}"), getattr(torch, request.param))
 
 
 def test_half_precision_checkpoint_loads_as_fp32(half_folder):
@@ -46,13 +53,43 @@ def test_half_precision_checkpoint_loads_as_fp32(half_folder):
             assert torch.equal(params[name], value.float()), name
 
 
+def exported(final) -> tuple[set[torch.dtype], str]:
+    """The dtypes of RUN/final's weight files (one file or the index's shards), and config.json's dtype."""
+    files = sorted(final.glob("model*.safetensors"))
+    assert files and all(f.name != "model.safetensors" for f in files) == (final / INDEX).exists()
+    dtypes = set()
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            dtypes |= {f.get_tensor(k).dtype for k in f.keys()}
+    return dtypes, json.loads((final / "config.json").read_text())["dtype"]
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_train_from_a_half_precision_checkpoint(half_folder, precision, tmp_path, cache_dir):
-    """fp16 autocast + GradScaler on a 16-bit checkpoint trains (it raised in unscale_ before)."""
-    folder, _ = half_folder
+    """fp16 autocast + GradScaler on a 16-bit checkpoint trains (it raised in unscale_ before); RUN/final is
+    written in the base's own dtype (train.export_dtype=auto; it was fp32, twice the base), and loads."""
+    from transformers import AutoModelForCausalLM
+
+    folder, saved = half_folder
     run = tmp_path / "run"
     phalanx("train", f"data.train={SHAKESPEARE}", f"data.cache_dir={cache_dir}", "--run-dir", run, *TINY_LM,
             f"model.pretrained={folder}", "train.max_steps=2", f"train.precision={precision}",
             check=True, timeout=180)
-    with safe_open(str(run / "final" / "model.safetensors"), "pt") as f:  # exported master weights: fp32
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+    assert exported(run / "final") == ({saved}, str(saved).split(".")[1])
+    assert AutoModelForCausalLM.from_pretrained(run / "final").dtype == saved
+
+
+def test_export_dtype_fp32_of_a_16_bit_base_in_shards(tmp_path, cache_dir):
+    """train.export_dtype=fp32 keeps the master weights' dtype; train.export_shard_mb below the model's size
+    takes the sharded path (counted in fp32 bytes), and the files load."""
+    from transformers import AutoModelForCausalLM
+
+    folder, _ = save_half(tmp_path / "base", torch.bfloat16)
+    run = tmp_path / "run"
+    phalanx("train", f"data.train={SHAKESPEARE}", f"data.cache_dir={cache_dir}", "--run-dir", run, *TINY_LM,
+            f"model.pretrained={folder}", "train.max_steps=1", "train.export_dtype=fp32",
+            "train.export_shard_mb=0.05", check=True, timeout=180)
+    assert exported(run / "final") == ({torch.float32}, "float32")
+    index = json.loads((run / "final" / INDEX).read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert AutoModelForCausalLM.from_pretrained(run / "final").dtype == torch.float32

@@ -7,13 +7,11 @@ the base for RUN/final and saves the adapter itself to RUN/final/adapter.
 """
 from __future__ import annotations
 
-import hashlib
 import warnings
-from pathlib import Path
 
 from torch import nn
 
-from phalanx.core.config import LoraSettings, hub_name
+from phalanx.core.config import LoraSettings
 
 
 def apply_lora(model: nn.Module, lora: LoraSettings, token_ids: list[int]) -> nn.Module:
@@ -51,18 +49,3 @@ def is_lora(model: nn.Module) -> bool:
 
 def trainable_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def base_identity(spec: str) -> str:
-    """What the pretrained base model is, cheaply: its files' names, sizes and modification times (a hub
-    name as given). A checkpoint of adapters records it, so resuming onto another base is refused."""
-    if not spec:
-        return ""
-    folder = Path(hub_name(spec))
-    if not folder.is_dir():
-        return spec
-    h = hashlib.sha256()
-    for f in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".bin")):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
-    return h.hexdigest()[:16]

@@ -5,29 +5,36 @@ materialised and filled.
 FSDP2 each transformer block and then the root are sharded (`fully_shard`); only then is storage
 allocated (`to_empty`), for this rank's shards alone; then the tensors are filled, from the pretrained
 checkpoint's slices this rank owns (load.py) and, for everything the checkpoint does not have (all of it
-when training from scratch, and buffers such as rotary `inv_freq` that no checkpoint stores), by the
-named initialisation (init.py). Without sharding (world size 1, DDP) the same steps give the full model,
-with the same values, and still without a second full copy.
+when training from scratch, buffers such as rotary `inv_freq` that no checkpoint stores, and what a
+pretrained build adds: a new head, `Builder.report`), by the named initialisation (init.py). Without
+sharding (world size 1, DDP) the same steps give the full model, with the same values, and still without
+a second full copy.
 """
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from phalanx.model import precision
 from phalanx.model.init import init_by_name
-from phalanx.model.load import load_pretrained, pretrained_folder
+from phalanx.model.load import LoadReport, load_pretrained
+from phalanx.model.weights import pretrained_folder
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a Hugging Face transformer (the natural FSDP unit)."""
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            return list(module)
+    """The repeated blocks of a Hugging Face transformer's decoder (the natural FSDP unit): the first layer
+    list of `get_decoder()` (a model with a vision tower registers that tower's layers first), or of the
+    model itself when it has no decoder to name (encoders)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    for root in ([decoder] if isinstance(decoder, nn.Module) else []) + [model]:
+        for module in root.modules():
+            if isinstance(module, nn.ModuleList) and len(module) > 0:
+                return list(module)
     return []
 
 
@@ -41,11 +48,14 @@ class Builder:
     shard: Callable[[nn.Module], None] | None = None
     prepare: Callable[[nn.Module], None] | None = None
     buffer_device: torch.device | None = None  # CPU offload: parameters stay on the CPU, buffers go here
+    # the last pretrained build's: what the run added to the checkpoint (a new head, grown embedding rows)
+    report: LoadReport = field(default_factory=LoadReport, init=False)
 
     def build(self, define: Callable[[], nn.Module], pretrained: str = "", mismatched: str = "error") -> nn.Module:
         """`define()` makes the architecture (it runs on the meta device); `pretrained` = model.pretrained
         (empty: random init); `mismatched="init"`: a checkpoint tensor of another shape is initialised instead
-        of an error (a classifier head with another number of labels)."""
+        of an error (a classifier head with another number of labels). A pretrained build that would leave a
+        parameter unloaded is a ConfigError (load.WeightPlan); what it adds is in `self.report`."""
         with torch.device("meta"):
             model = define()
         template = copy.deepcopy(model)  # unsharded and storage-free: the shapes init and loading read
@@ -57,9 +67,8 @@ class Builder:
         retie(model, template)
         todo = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         if pretrained:
-            loaded = load_pretrained(todo, pretrained_folder(pretrained),
-                                     prefix=getattr(model, "base_model_prefix", ""), seed=self.seed,
-                                     growable=_embedding_names(template), mismatched=mismatched)
+            loaded, self.report = load_pretrained(todo, template, pretrained_folder(pretrained), seed=self.seed,
+                                                  growable=_embedding_names(template), mismatched=mismatched)
             todo = {k: v for k, v in todo.items() if k not in loaded}
         blocks = {id(b) for b in transformer_blocks(template)}
         init_by_name(model, template, {n for n, m in template.named_modules() if id(m) in blocks}, self.seed, todo)

@@ -13,6 +13,11 @@ gathered whole anywhere: its tensors are cut into files of at most that size
 (model-0000k-of-0000n.safetensors, plus the model.safetensors.index.json that from_pretrained reads), the
 files are dealt to the ranks in turn, and each tensor is gathered to the rank that writes its file only;
 every rank writes its files on a thread while the gathers go on.
+
+The weights are written in `train.export_dtype` (`export_dtype`: auto = the pretrained base's own dtype),
+cast from the fp32 master weights as each tensor is written (a LoRA export has merged its adapters in
+fp32 before); buffers and integer tensors keep theirs; config.json's `dtype` says the written one, and
+`train.export_shard_mb` counts bytes in it.
 """
 from __future__ import annotations
 
@@ -31,20 +36,30 @@ from phalanx.core.config import TrainConfig
 from phalanx.core.runfolder import RunFolder
 from phalanx.model.build import tie_shared
 from phalanx.model.slices import local, rows
+from phalanx.model.weights import checkpoint_dtype, pretrained_folder
 
 DEFAULT_SHARD_MB = TrainConfig().export_shard_mb
 INDEX = "model.safetensors.index.json"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_dtype(choice: str, pretrained: str) -> torch.dtype:
+    """train.export_dtype -> the dtype RUN/final's weights are written in: `auto` = the pretrained base's own
+    (its config.json's dtype, else its weights'), fp32 when training from scratch."""
+    if choice != "auto":
+        return DTYPES[choice]
+    return checkpoint_dtype(pretrained_folder(pretrained)) if pretrained else torch.float32
 
 
 def export_final(model: torch.nn.Module, task, folder: RunFolder, info: dist.DistInfo,
-                 shard_mb: float = DEFAULT_SHARD_MB) -> None:
+                 shard_mb: float = DEFAULT_SHARD_MB, dtype: torch.dtype = torch.float32) -> None:
     """Collective: every rank calls it. Runs the task's export hook into the temporary folder, then
     publishes it as RUN/final."""
     if info.is_main:
         shutil.rmtree(folder.final_tmp, ignore_errors=True)
         folder.final_tmp.mkdir(parents=True)
     dist.barrier(info)
-    task.export(model, folder.final_tmp, partial(write_hf, info=info, shard_mb=shard_mb))
+    task.export(model, folder.final_tmp, partial(write_hf, info=info, shard_mb=shard_mb, dtype=dtype))
     dist.barrier(info)
     if info.is_main:
         folder.publish_final()
@@ -52,17 +67,27 @@ def export_final(model: torch.nn.Module, task, folder: RunFolder, info: dist.Dis
 
 
 def write_hf(model: torch.nn.Module, tokenizer, out: Path, *, info: dist.DistInfo,
-             shard_mb: float = DEFAULT_SHARD_MB) -> None:
-    """Collective: the model (FSDP2 shards included) in the Hugging Face layout, with the tokenizer."""
-    entries = export_entries(model)
-    if sum(_nbytes(t) for _, t in entries) <= shard_mb * 2**20:
+             shard_mb: float = DEFAULT_SHARD_MB, dtype: torch.dtype = torch.float32) -> None:
+    """Collective: the model (FSDP2 shards included) in the Hugging Face layout, its floating-point
+    parameters in `dtype`, with the tokenizer."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    entries = [(name, t, _written_dtype(t, name in params, dtype)) for name, t in export_entries(model)]
+    if sum(_nbytes(t, d) for _, t, d in entries) <= shard_mb * 2**20:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if info.is_main:
+            for name in full:  # one tensor at a time: the fp32 copy goes as its cast arrives
+                full[name] = full[name].to(_written_dtype(full[name], name in params, dtype))
             model.save_pretrained(out, state_dict=tie_shared(full, model))
+            _save_configs(model, out, dtype)  # save_pretrained wrote the in-memory (fp32) dtype
     else:
-        write_sharded(model, entries, Path(out), info, int(shard_mb * 2**20))
+        write_sharded(model, entries, Path(out), info, int(shard_mb * 2**20), dtype)
     if info.is_main:
         tokenizer.save_pretrained(out)
+
+
+def _written_dtype(t: torch.Tensor, is_param: bool, dtype: torch.dtype) -> torch.dtype:
+    """`dtype` for a floating-point parameter; a buffer or an integer tensor keeps its own."""
+    return dtype if is_param and t.is_floating_point() else t.dtype
 
 
 def export_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -72,20 +97,23 @@ def export_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, tensors[name]) for name in model.state_dict() if name in tensors]
 
 
-def plan_files(entries: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive tensors into files of at most `limit` bytes (a larger tensor gets a file of its own)."""
+def plan_files(entries: list[tuple], limit: int) -> list[list[tuple]]:
+    """Consecutive tensors into files of at most `limit` bytes (a larger tensor gets a file of its own);
+    an entry is (name, tensor) or (name, tensor, the dtype it is written in)."""
     files: list[list] = [[]]
     size = 0
-    for name, t in entries:
-        if files[-1] and size + _nbytes(t) > limit:
+    for entry in entries:
+        n = _nbytes(*entry[1:])
+        if files[-1] and size + n > limit:
             files.append([])
             size = 0
-        files[-1].append((name, t))
-        size += _nbytes(t)
+        files[-1].append(entry)
+        size += n
     return files
 
 
-def write_sharded(model: torch.nn.Module, entries, out: Path, info: dist.DistInfo, limit: int) -> None:
+def write_sharded(model: torch.nn.Module, entries, out: Path, info: dist.DistInfo, limit: int,
+                  dtype: torch.dtype = torch.float32) -> None:
     """Collective. File k is written by rank k mod world; the gathers run in file order on every rank."""
     from safetensors.torch import save_file  # lazy: only the sharded export needs it
 
@@ -96,18 +124,19 @@ def write_sharded(model: torch.nn.Module, entries, out: Path, info: dist.DistInf
         pending = None
         for k, file in enumerate(files):
             writer = k % info.world_size
-            tensors = {name: gather_to(t, writer, info) for name, t in file}
+            tensors = {name: gather_to(t, writer, info) for name, t, _ in file}
             if info.rank == writer:
+                tensors = {name: tensors[name].to(d) for name, _, d in file}
                 if pending is not None:
                     pending.result()  # one file in memory while the next is gathered
                 pending = pool.submit(save_file, tensors, str(out / names[k]), metadata={"format": "pt"})
         if pending is not None:
             pending.result()
     if info.is_main:
-        weight_map = {name: names[k] for k, file in enumerate(files) for name, _ in file}
-        index = {"metadata": {"total_size": sum(_nbytes(t) for _, t in entries)}, "weight_map": weight_map}
+        weight_map = {name: names[k] for k, file in enumerate(files) for name, _, _ in file}
+        index = {"metadata": {"total_size": sum(_nbytes(t, d) for _, t, d in entries)}, "weight_map": weight_map}
         (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _save_configs(model, out)
+        _save_configs(model, out, dtype)
 
 
 def gather_to(t: torch.Tensor, writer: int, info: dist.DistInfo) -> torch.Tensor | None:
@@ -129,15 +158,16 @@ def gather_to(t: torch.Tensor, writer: int, info: dist.DistInfo) -> torch.Tensor
     return torch.cat(bucket)[:t.shape[0]].cpu().contiguous()
 
 
-def _save_configs(model: torch.nn.Module, out: Path) -> None:
-    """config.json (and generation_config.json) as save_pretrained writes them, without the weights."""
+def _save_configs(model: torch.nn.Module, out: Path, dtype: torch.dtype) -> None:
+    """config.json (and generation_config.json) as save_pretrained writes them, without the weights, saying
+    the dtype the weights were written in."""
     config = model.config
-    config.dtype = str(next(model.parameters()).dtype).split(".")[1]
+    config.dtype = str(dtype).split(".")[1]
     config.architectures = [type(model).__name__.removeprefix("FSDP")]  # FSDP2 renames the model's class
     config.save_pretrained(out)
     if model.can_generate():
         model.generation_config.save_pretrained(out)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _nbytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    return t.numel() * (dtype or t.dtype).itemsize

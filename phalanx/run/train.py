@@ -30,16 +30,18 @@ from phalanx.core.config import (
 )
 from phalanx.core.faults import parse_fault
 from phalanx.core.runfolder import RunFolder, write_json
+from phalanx.data.cache import cache_root
 from phalanx.data.samplers import GlobalBatchSampler
 from phalanx.model import precision
 from phalanx.model.build import attention_in_use, count_parameters, model_builder, quiet_transformers, wrap
-from phalanx.model.lora import base_identity, trainable_parameters
+from phalanx.model.identity import base_identity
+from phalanx.model.lora import trainable_parameters
 from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl
 from phalanx.run.batches import BatchSource
 from phalanx.run.checkpoint import CheckpointDict, Checkpointer, resolve_resume
 from phalanx.run.clock import BACKWARD, DATA, FORWARD, SYNC, StepClock, StepMarks
 from phalanx.run.evaluate import evaluate
-from phalanx.run.export import export_final
+from phalanx.run.export import export_dtype, export_final
 from phalanx.run.monitor import Monitor
 from phalanx.run.probe import Probe
 from phalanx.run.state import PreemptionFlag, StopTraining, TrainState
@@ -96,6 +98,8 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     run = Run(cfg, info, folder, Probe(watchdog, parse_fault(cfg.debug.fault), info.rank, info.attempt), monitor,
               checkpointer, saved, start_step=state.step, started_at=started_at,
               clock=StepClock.for_device(info.device))
+    if info.is_main:  # once per run, by the rank that writes meta.json (the launcher's hashing cached the digests)
+        run.base_model = base_identity(cfg.model.pretrained, cache_root(cfg.data.cache_dir))
     run.telemetry = Telemetry(info, cfg, n_params=count_parameters(tr.model), model=tr.model, wrapped=tr.wrapped,
                               amp_dtype=tr.amp_dtype, monitor=monitor, clock=run.clock)
     run.preempt = PreemptionFlag()
@@ -119,7 +123,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     # counted before the export: a LoRA export merges the adapters into the base in place
     counts = {"parameters": count_parameters(tr.model),
               "trainable_parameters": trainable_parameters(tr.model)}
-    export_final(tr.model, task, folder, info, t.export_shard_mb)
+    export_final(tr.model, task, folder, info, t.export_shard_mb, export_dtype(t.export_dtype, cfg.model.pretrained))
     return _finish(run, tr, task, state, eval_metrics, accum, counts)
 
 
@@ -135,6 +139,7 @@ class Trainee:
     scaler: torch.amp.GradScaler
     autocast: object
     amp_dtype: torch.dtype | None
+    added: str = ""  # what a pretrained build added to the checkpoint (a new head, grown rows), for the start line
 
 
 def build_trainee(cfg: Config, info: dist.DistInfo, task) -> Trainee:
@@ -144,12 +149,14 @@ def build_trainee(cfg: Config, info: dist.DistInfo, task) -> Trainee:
     for warning in warnings:
         _say(info, f"phalanx: warning: {warning}")
     torch.manual_seed(t.seed)  # LoRA's adapters come from the global generator; the model is initialised by name
-    model = task.build_model(model_builder(t, info.device, info.world_size, amp_dtype))
+    builder = model_builder(t, info.device, info.world_size, amp_dtype)
+    model = task.build_model(builder)
     wrapped = wrap(model, t.strategy, info)
     return Trainee(model=model, wrapped=wrapped, forward=torch.compile(wrapped) if t.compile else wrapped,
                    optimizer=build_optimizer(model, t), schedule=WarmupCosine(t),
                    scaler=precision.make_scaler(info.device, amp_dtype),
-                   autocast=precision.autocast_factory(info.device, amp_dtype), amp_dtype=amp_dtype)
+                   autocast=precision.autocast_factory(info.device, amp_dtype), amp_dtype=amp_dtype,
+                   added=builder.report.clause())
 
 
 def checkpoint_dict(tr: Trainee, state: TrainState) -> CheckpointDict:
@@ -175,7 +182,8 @@ def _start_line(cfg: Config, info: dist.DistInfo, tr: Trainee, accum: int) -> st
             f"precision {precision.describe(t.precision, tr.amp_dtype)}, strategy "
             f"{t.strategy if info.world_size > 1 else 'single'}, optimizer AdamW {optimizer_impl(tr.optimizer)}"
             + (f", attention {attention}{auto}" if attention else "")
-            + (f", tf32 {'on' if t.tf32 else 'off'}" if info.device.type == "cuda" else ""))
+            + (f", tf32 {'on' if t.tf32 else 'off'}" if info.device.type == "cuda" else "")
+            + (f", {tr.added}" if tr.added else ""))
 
 
 def _resume(cfg: Config, checkpointer: Checkpointer, saved: CheckpointDict, state: TrainState, info) -> dict | None:
@@ -211,6 +219,7 @@ class Run:
     preempt: PreemptionFlag | None = None
     batches: BatchSource | None = None  # this rank's micro-batches of each step, on the host
     first_step_at: float | None = None
+    base_model: str = ""          # the pretrained base's identity (model/identity.py), on the main rank
 
 
 def _loop(run: Run, tr: Trainee, task, state: TrainState) -> tuple[bool, dict]:
@@ -257,7 +266,7 @@ def _save(run: Run, state: TrainState) -> None:
     run.probe(step, Phase.CHECKPOINT)
     path, seconds = run.checkpointer.save(step, run.saved,
                                           {"config_hash": config_hash(run.cfg), "config": relevant_subset(run.cfg),
-                                           "base_model": base_identity(run.cfg.model.pretrained)},
+                                           "base_model": run.base_model},
                                           after_write=lambda: run.probe(step, Phase.CHECKPOINT_WRITTEN))
     run.monitor.log({"step": step, "event": "checkpoint", "checkpoint_s": round(seconds, 4), "path": str(path)})
 

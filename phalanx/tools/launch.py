@@ -43,9 +43,11 @@ from phalanx.core.runfolder import (
     RunFolder,
     read_json,
 )
+from phalanx.data.cache import cache_root
+from phalanx.data.hub import check_hub_names
 from phalanx.model import precision
 from phalanx.model.build import check_attention
-from phalanx.model.lora import base_identity
+from phalanx.model.identity import base_identity
 from phalanx.run.checkpoint import CheckpointError, check_safe, read_meta, resolve_resume
 from phalanx.run.watchdog import summarize
 from phalanx.run.worker import serve
@@ -111,10 +113,31 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
         if changed:
             raise ConfigError(f"checkpoint '{path}' was made with different training settings: "
                               f"{', '.join(changed)}; use --fresh to start over or --force-resume")
-    if meta and "base_model" in meta and meta["base_model"] != base_identity(cfg.model.pretrained) \
-            and (not force_resume or cfg.model.lora.r):  # adapters only make sense on their own base
+    if meta and "base_model" in meta and meta["base_model"] != base_identity(cfg.model.pretrained, cache_root(
+            cfg.data.cache_dir)) and (not force_resume or cfg.model.lora.r):  # adapters need their own base
         raise ConfigError(f"checkpoint '{path}' was trained from another base model than model.pretrained="
-                          f"'{cfg.model.pretrained}' (its files differ); use --fresh to start over")
+                          f"'{cfg.model.pretrained}' (its config or weights differ); use --fresh to start over")
+
+
+def check_pretrained(cfg: Config) -> None:
+    """model.pretrained before any worker starts: its weights cover the task's model (the checkpoint's
+    headers against the model's skeleton on the meta device: a parameter that would stay unloaded is exit
+    2 naming it; load.WeightPlan), fetched once here for a hub name; and its identity hashed once (the
+    workers find the digests cached)."""
+    if not cfg.model.pretrained:
+        return
+    import transformers  # only here: ~2 s, as the memory plan
+
+    from phalanx.model.load import WeightPlan
+    from phalanx.model.weights import Checkpoint, pretrained_folder
+
+    check_hub_names(cfg, data=False)  # a hub name that is neither cached nor reachable: one line, not retries
+    task = get_task(cfg.task)
+    folder = pretrained_folder(cfg.model.pretrained)
+    with torch.device("meta"):
+        model = getattr(transformers, task.AUTO_MODEL).from_config(transformers.AutoConfig.from_pretrained(folder))
+    WeightPlan(model, Checkpoint(folder), mismatched=task.MISMATCHED)
+    base_identity(cfg.model.pretrained, cache_root(cfg.data.cache_dir))
 
 
 def plan_memory(cfg: Config, nproc_per_node: int, nnodes: str) -> None:
@@ -184,6 +207,7 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     # Not overlapped with the data step in a thread: transformers' lazy imports are not thread-safe (a chat
     # tokenizer import failed while the plan imported a model class).
     plan_memory(cfg, nproc_per_node, nnodes)
+    check_pretrained(cfg)
     prepare_data(cfg)
     if fresh:  # only now: a refused command leaves the run folder where it was
         old = move_aside(run_dir)

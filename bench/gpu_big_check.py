@@ -7,6 +7,9 @@ trained for a few steps with bf16 + MixedPrecisionPolicy (16-bit gathers, fp32 r
 activation checkpointing, and with CPU offload. For each: tokens/s, MFU, peak device memory (allocated,
 and reserved by the caching allocator) against the memory plan's figure, parameter/gradient/optimizer
 dtypes; then the sharded export is read back by plain transformers (same logits as the trained model).
+Last, model.attn_implementation=flash_attention_2 where flash-attn is importable (else said and skipped):
+the built model runs it, a packed chat row from phalanx's collate gives each conversation the loss it has
+alone under sdpa (and other losses when the positions do not restart), and a few steps lower the loss.
 
     python bench/gpu_big_check.py [--steps 6] [--batch 4] [--seq 2048] [--layers 16] [--width 2048]
 Exit status: non-zero if a check fails.
@@ -27,12 +30,13 @@ import torch.nn.functional as F
 
 from phalanx.core import dist
 from phalanx.core.config import load_config
-from phalanx.model.build import causal_lm, quiet_transformers
+from phalanx.model.build import attention_in_use, causal_lm, quiet_transformers
 from phalanx.model.checkpointing import apply_activation_checkpointing
 from phalanx.model.optim import build_optimizer
 from phalanx.model.shard import Builder, fsdp_shard
 from phalanx.run.export import write_hf
 from phalanx.run.telemetry import flops_per_token, peak_tflops
+from phalanx.tasks.chat import ChatTask, collate_rows
 from phalanx.tools import memplan
 
 GB = 2 ** 30
@@ -66,6 +70,63 @@ def train(model, cfg, info, ids, steps: int) -> dict:
     state = next(iter(opt.state.values()))
     return {"losses": [round(v, 4) for v in losses], "step_s": sorted(times[1:])[len(times[1:]) // 2],
             "param_dtype": str(p.dtype), "optimizer_dtype": str(state["exp_avg"].dtype)}
+
+
+def flash_attention_check(cfg, info, steps: int) -> bool:
+    """model.attn_implementation=flash_attention_2 on a 2-layer model of the same width (see the docstring);
+    the CPU smoke run goes through the same code with eager attention."""
+    import importlib.util
+
+    device = info.device.type
+    impl = "eager" if device == "cpu" else "flash_attention_2"
+    if device == "cuda" and importlib.util.find_spec("flash_attn") is None:
+        print(json.dumps({"flash_attention_2": "skipped: flash-attn is not installed"}), flush=True)
+        return True
+
+    def build(impl: str):
+        m = dataclasses.replace(cfg.model, n_layer=2, attn_implementation=impl)
+        return Builder(seed=1, device=info.device).build(lambda: causal_lm(m, cfg.data.vocab_size, 0))
+
+    model, ref, task = build(impl).eval(), build("sdpa").eval(), ChatTask.__new__(ChatTask)
+    gen = torch.Generator().manual_seed(0)
+    convs = [(torch.randint(0, cfg.data.vocab_size, (n,), generator=gen).numpy(),
+              torch.rand(n, generator=gen).numpy() < 0.5) for n in (300, 517, 701)]
+    width = sum(len(x) for x, _ in convs) + 29  # and a pad tail
+    batch = {k: v.to(info.device) if torch.is_tensor(v) else v for k, v in collate_rows([convs], width, 0).items()}
+    ends = torch.tensor([len(x) for x, _ in convs]).cumsum(0).tolist()
+    spans = list(zip([0, *ends[:-1]], ends))
+
+    def hidden(net, inputs: dict) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+            return net(**inputs, use_cache=False, output_hidden_states=True).hidden_states[-1].float()[0]
+
+    def error(packed: torch.Tensor) -> float:
+        """Largest relative difference, over every real token, from each conversation run alone under sdpa
+        (plain transformers: no mask, no position ids)."""
+        worst = 0.0
+        for a, z in spans:
+            alone = hidden(ref, {"input_ids": batch["input_ids"][:, a:z]})
+            worst = max(worst, float(((packed[a:z] - alone).norm(dim=-1) / alone.norm(dim=-1)).max()))
+        return worst
+
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids")}  # what ChatTask.logits passes for packed rows
+    packed_err = error(hidden(model, inputs))
+    leaked_err = error(hidden(model, {**inputs, "position_ids": torch.arange(width, device=info.device)[None]}))
+    model.train()
+    opt = build_optimizer(model, cfg.train)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = task.loss_sum(model, batch) / int((batch["labels"] != -100).sum())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(float(loss.detach()), 4))
+    r = {"attention": attention_in_use(model), "packed_vs_alone_max_rel": packed_err,
+         "positions_not_restarting_max_rel": leaked_err, "losses": losses}
+    print(json.dumps(r), flush=True)
+    return (r["attention"] == impl and packed_err < 0.05 and leaked_err > 5 * packed_err
+            and losses[-1] < losses[0])
 
 
 def main() -> int:
@@ -137,6 +198,7 @@ def main() -> int:
         print(f"| {r['activation_checkpointing']} | {r['cpu_offload']} | {r['tokens_per_s']} | "
               f"{r['mfu'] if r['mfu'] is not None else '-'} | {r['peak_allocated_gb']} | {r['peak_reserved_gb']} | "
               f"{r['planned_gb'] or '-'} | {r['step_s']:.3f} |")
+    ok &= flash_attention_check(cfg, info, args.steps)
     dist.teardown()
     print(f"gpu_big_check: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1

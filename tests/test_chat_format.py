@@ -11,6 +11,7 @@ from conftest import SHAKESPEARE
 from phalanx.core.errors import ConfigError
 from phalanx.data import conversations as cv
 from phalanx.data import tokenizer as toks
+from phalanx.data.chat_encode import Dropped
 from phalanx.data.chat_store import pack
 from phalanx.tasks.chat import IGNORE, collate_rows
 
@@ -58,7 +59,8 @@ def test_every_format_gives_the_same_messages():
 
 @pytest.mark.parametrize("record, fmt, message", [
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages", "field 'messages[0].role': unknown role 'robot'"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "no assistant turn"),
+    ({"messages": [{"role": "assistant", "content": "a", "reasoning_content": 1}]}, "messages",
+     "field 'messages[0].reasoning_content' should be text"),
     ({"messages": [{"role": "assistant", "content": 3}]}, "messages", "field 'messages[0].content' should be text"),
     ({"messages": "hello"}, "messages", "field 'messages' should be a list of objects, got str"),
     ({"messages": ["hello"]}, "messages", "field 'messages' should be a list of objects"),
@@ -115,26 +117,68 @@ def test_the_mask_follows_any_template(tok):
     assert other.decode(enc.ids[enc.mask]) == "Très bien!<|eot_id|>No.<|eot_id|>"
 
 
-def test_templates_that_cannot_be_masked_are_errors(tok):
+def test_templates_that_cannot_be_masked_drop_the_record_or_are_errors(tok):
+    """A record the template changes (upper-cases) or refuses is dropped (counted by the data step, see
+    test_chat_templates.py); a template that writes no special end-of-turn token is an error for every record."""
     from transformers import PreTrainedTokenizerFast
 
     upper = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, **toks.SPECIALS["bpe"])
-    upper.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}"
-    with pytest.raises(ConfigError, match="does not render message 3's content verbatim"):
-        cv.encode(upper, GOLDEN, "assistant", 1000, "turns", "x")
+    upper.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}<|endoftext|>{% endfor %}"
+    assert cv.encode(upper, GOLDEN, "assistant", 1000, "turns", "x") is None
     no_end = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, **toks.SPECIALS["bpe"])
     no_end.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    with pytest.raises(ConfigError, match="no special end-of-turn token"):
+    with pytest.raises(ConfigError, match="^x: the chat template writes no special end-of-turn token"):
         cv.encode(no_end, GOLDEN, "assistant", 1000, "turns", "x")
     strict = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, **toks.SPECIALS["bpe"])
     strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' and loop.previtem is defined and "
                             "loop.previtem['role'] == 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}"
                             "{{ m['content'] }}{% endfor %}")
-    with pytest.raises(ConfigError, match="x: the chat template refused this conversation.*roles must alternate"):
-        cv.encode(strict, GOLDEN, "assistant", 1000, "turns", "x")
+    assert cv.encode(strict, GOLDEN, "assistant", 1000, "turns", "x") is None
 
 
-def test_truncation(tok):
+def _encoder(tok, block: int, truncation: str):
+    return cv.ChatEncoder(tok, cv.ChatSettings("assistant", truncation, block, "keep"))
+
+
+LONG = [{"role": "system", "content": "Speak as in a play."},
+        {"role": "user", "content": "First Citizen: Before we proceed any further, hear me speak."},
+        {"role": "assistant", "content": "Speak, speak."},
+        {"role": "user", "content": "You are all resolved rather to die than to famish?"},
+        {"role": "assistant", "content": "Resolved. resolved."},
+        {"role": "user", "content": "First, you know Caius Marcius is chief enemy to the people."},
+        {"role": "assistant", "content": "We know't, we know't."},
+        {"role": "user", "content": "(a trailing question, never answered)"}]
+
+
+def test_keep_end_drops_the_oldest_exchanges_then_cuts_the_prompt_from_its_start(tok):
+    def length(messages):
+        return len(tok.apply_chat_template(messages, tokenize=True)["input_ids"])
+
+    full, last_two, last = length(LONG[:7]), length(LONG[:1] + LONG[3:7]), length(LONG[:1] + LONG[5:7])
+    kept = _encoder(tok, last_two, "keep_end").encode(LONG)  # the oldest exchange and the trailing turn go
+    assert kept.truncated and kept.ids.tolist() == tok.apply_chat_template(LONG[:1] + LONG[3:7], tokenize=True)[
+        "input_ids"]
+    assert cv.encode(tok, LONG, "assistant", full, "keep_end", "x").ids.tolist() == \
+        tok.apply_chat_template(LONG[:7], tokenize=True)["input_ids"]  # what follows the last reply: dropped
+    block = last - 6
+    cut = _encoder(tok, block, "keep_end").encode(LONG)  # the last exchange alone is too long: its prompt is cut
+    text = tok.decode(cut.ids)
+    assert len(cut.ids) <= block and cut.truncated
+    assert text.startswith("<|im_start|>system\nSpeak as in a play.<|im_end|>\n<|im_start|>user\n")  # system stays
+    assert text.endswith("<|im_start|>assistant\nWe know't, we know't.<|im_end|>\n")                 # reply whole
+    kept_prompt = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+    question = LONG[5]["content"]
+    assert question.endswith(kept_prompt) and len(kept_prompt) < len(question)
+    # cut where a token of the rendering started, not inside one
+    rendered = tok.apply_chat_template(LONG[:1] + LONG[5:7], tokenize=False)
+    starts = {a for a, _ in tok(rendered, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]}
+    assert rendered.index(question) + len(question) - len(kept_prompt) in starts
+    assert tok.decode(cut.ids[cut.mask]) == "We know't, we know't.<|im_end|>"
+    too_long = _encoder(tok, 12, "keep_end").encode(LONG)  # the system message and the reply alone do not fit
+    assert isinstance(too_long, Dropped) and too_long.reason == "too_long" and too_long.tokens == length(LONG)
+
+
+def test_turns_and_right_truncation(tok):
     full = len(cv.encode(tok, GOLDEN, "assistant", 1000, "turns", "x").ids)
     first = len(tok.apply_chat_template(GOLDEN[:4], tokenize=True)["input_ids"])
     turns = cv.encode(tok, GOLDEN, "assistant", full - 1, "turns", "x")

@@ -1,16 +1,20 @@
 """The chat record format: conversations -> token ids and a loss mask (per token) and lengths (per
 conversation), built and opened by the one pipeline (prepare.py), then packed.
 
-Each record is rendered with the tokenizer's chat template and masked from its character offsets
-(conversations.py); a record left with nothing to train on (e.g. truncated before its first reply) is
-dropped and counted. Once every shard of a split exists, `finish` packs whole conversations into rows of
-`model.block_size` tokens by best-fit decreasing (`pack`), which depends on the lengths only, never on
-the preparing processes or the world size: `pack_order.npy` (conversations in row order) and
-`pack_offsets.npy` (where each row starts in it). Without `data.validation` the last `data.val_fraction`
-of the conversations are held out, and each part is packed on its own (a row never mixes them).
+Each record is rendered with the tokenizer's chat template (data.template_kwargs baked into it as
+defaults, system messages folded where the template refuses them: chat_template.py), each message found in
+the rendering by structure (chat_layout.py) and masked (chat_encode.py), a batch of records at a time. A
+record that cannot be used is dropped and counted with its reason; `dropped_error` is the gate of
+data.max_dropped_fraction (chat_counts.py). Once every shard of a split exists, `finish` packs whole
+conversations into rows of `model.block_size` tokens by best-fit decreasing (`pack`), which depends on the
+lengths only, never on the preparing processes or the world size: `pack_order.npy` (conversations in row
+order) and `pack_offsets.npy` (where each row starts in it). Without `data.validation` the last
+`data.val_fraction` of the conversations are held out, and each part is packed on its own (a row never
+mixes them).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -18,8 +22,13 @@ from pathlib import Path
 import numpy as np
 
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import conversations, pieces, prepare, readers, store
-from phalanx.data.sources import Split
+from phalanx.data import chat_counts, chat_template, conversations, encoder, pieces, prepare, readers, store
+from phalanx.data.chat_encode import ChatEncoder, ChatSettings, Encoded, TiktokenTokens
+from phalanx.data.sample import sample_rows
+from phalanx.data.sources import Split, splits
+
+
+SMALL = 1 << 20  # inputs up to this size are tokenized by `tokenizers` directly (no tiktoken check)
 
 
 @dataclass(frozen=True)
@@ -28,16 +37,22 @@ class ChatJob:
     tokenizer_dir: str
     fields: tuple        # ((format, ChatFields), ...) for the formats a record may have
     chat_format: str     # 'auto' or one of conversations.FORMATS
-    train_on: str
-    truncation: str
-    block_size: int
+    settings: ChatSettings
+    tokens: str          # 'tiktoken' or 'tokenizers' (encoder.py)
 
 
 @lru_cache(maxsize=2)
 def load_tokenizer(tokenizer_dir: str):
-    from phalanx.data.tokenizer import load_saved  # transformers: ~2 s, only where chat data is encoded
+    from phalanx.data.tokenizer import load_saved  # transformers: ~0.5 s, only where chat data is encoded
 
     return load_saved(tokenizer_dir)
+
+
+@lru_cache(maxsize=2)
+def chat_encoder(tokenizer_dir: str, settings: ChatSettings, tokens: str) -> ChatEncoder:
+    """One encoder per process (a pool worker encodes many pieces; its skeletons are reused across them)."""
+    fast = encoder.cached(tokenizer_dir, "tiktoken").fast if tokens == "tiktoken" else None
+    return ChatEncoder(load_tokenizer(tokenizer_dir), settings, TiktokenTokens(fast) if fast else None)
 
 
 def training_rows(cfg: Config, n: int) -> int:
@@ -51,8 +66,13 @@ def field_overrides(cfg: Config) -> dict[str, str]:
             "completion": d.completion_field, "system": d.system_field}
 
 
+def _messages(record, formats: dict, chat_format: str, where: str) -> list[dict]:
+    fmt = chat_format if chat_format != "auto" else conversations.detect(record, where)
+    return conversations.to_messages(record, formats[fmt], where)
+
+
 class ChatFormat(prepare.RecordFormat):
-    prefix, version = "chat", "chat-store-v1"
+    prefix, version = "chat", "chat-store-v2"
     tokenizer, needs = "bpe", "eos_token"
     token_arrays = {"ids": None, "mask": "uint8"}
     row_arrays = {"lengths": "uint32"}
@@ -63,59 +83,95 @@ class ChatFormat(prepare.RecordFormat):
     def settings(self, cfg: Config) -> tuple:
         d = cfg.data
         return (d.chat_format, tuple(sorted(field_overrides(cfg).items())), d.train_on, d.truncation,
-                cfg.model.block_size, d.packing, d.val_fraction if not d.validation else None)
+                d.system_message, cfg.model.block_size, d.packing, d.val_fraction if not d.validation else None)
 
-    tokenizer_variant = "chatml-v1"
+    def tokenizer_variant(self, cfg: Config) -> str:
+        """The template with data.template_kwargs baked in as defaults is part of the tokenizer (RUN/final
+        renders as training did), so the kwargs name its folder (checked here: their first use)."""
+        kwargs = cfg.data.template_kwargs or {}
+        chat_template.check_kwargs(kwargs)
+        return "chat-v2" + (f":{json.dumps(kwargs, sort_keys=True)}" if kwargs else "")
 
-    def adapt_tokenizer(self, folder: Path) -> None:
-        """A tokenizer without a chat template gets phalanx's ChatML one (and its two special tokens)."""
+    def adapt_tokenizer(self, cfg: Config, folder: Path) -> None:
+        """phalanx's ChatML template (and its two special tokens) for a tokenizer without one; the template
+        kwargs written into the template as defaults."""
         from phalanx.data.tokenizer import load_saved
 
-        tok = load_saved(folder)
-        if conversations.ensure_template(tok):
+        tok, kwargs = load_saved(folder), cfg.data.template_kwargs or {}
+        if chat_template.ensure_template(tok) or kwargs:
+            chat_template.bake_defaults(tok, kwargs)
             for stale in folder.iterdir():
                 stale.unlink()
             tok.save_pretrained(folder)
 
     def job(self, cfg: Config, split: Split, tok_dir: Path, total: int) -> tuple[ChatJob, dict]:
+        """The settings, with data.system_message resolved for the template (keep with a template that
+        refuses a system role is exit 2 here, before any worker), and the tokenizer implementation."""
+        d, tok = cfg.data, load_tokenizer(str(tok_dir))
+        kwargs = d.template_kwargs or {}
+        policy = chat_template.system_policy(tok, d.system_message, kwargs)
+        settings = ChatSettings(d.train_on, d.truncation, cfg.model.block_size, policy,
+                                json.dumps(kwargs, sort_keys=True))
         overrides = field_overrides(cfg)
         fields = tuple((f, conversations.chat_fields(f, overrides)) for f in conversations.FORMATS)
-        return ChatJob(str(tok_dir), fields, cfg.data.chat_format, cfg.data.train_on, cfg.data.truncation,
-                       cfg.model.block_size), {}
+        if 0 < total <= SMALL:  # nothing to gain from a faster tokenizer; skip its check
+            kind, why = "tokenizers", f"input under {SMALL >> 20} MB"
+        else:
+            kind, why = encoder.choose(tok_dir, self._sample_texts(cfg, dict(fields), settings, tok))
+        return ChatJob(str(tok_dir), fields, d.chat_format, settings, kind), {"encoder": kind, "encoder_check": why}
+
+    def _sample_texts(self, cfg: Config, formats: dict, settings: ChatSettings, tok) -> list[str]:
+        """Rendered conversations from a sample of the training records (the tiktoken check's sample)."""
+        shown = []
+        for (record,) in sample_rows(cfg, self.fields(cfg), 1 << 20):
+            try:
+                messages = _messages(record, formats, cfg.data.chat_format, "")
+            except ConfigError:  # said with its place when its piece is encoded
+                continue
+            shown.append(chat_template.fold_system(messages) if settings.system == "fold" else messages)
+        renderer = chat_template.Renderer(tok, json.loads(settings.template_kwargs))
+        return [t for t in renderer.many(shown) if isinstance(t, str)]
 
     def encode(self, job: ChatJob, piece: pieces.Piece, writer: store.ShardWriter, progress) -> dict:
-        tok, formats = load_tokenizer(job.tokenizer_dir), dict(job.fields)
-        k = kept = dropped = supervised = 0
-        ends: set[int] = set()
+        enc, formats = chat_encoder(job.tokenizer_dir, job.settings, job.tokens), dict(job.fields)
+        tally, written, k = chat_counts.Tally(), [], 0
         for rows, n in pieces.rows(piece, self.fields(None)):
+            batch = []
             for (record,) in rows:
                 try:
-                    fmt = job.chat_format if job.chat_format != "auto" else conversations.detect(record, "")
-                    messages = conversations.to_messages(record, formats[fmt], "")
-                    enc = conversations.encode(tok, messages, job.train_on, job.block_size, job.truncation, "")
+                    batch.append(_messages(record, formats, job.chat_format, ""))
                 except ConfigError as e:  # located only now: counting lines is slow, errors are rare
-                    where = pieces.locate(piece.source, piece.kind, piece.start, k)
-                    raise ConfigError(f"{where}{str(e)}") from None
+                    raise ConfigError(f"{pieces.locate(piece.source, piece.kind, piece.start, k + len(batch))}"
+                                      f"{e}") from None
+            try:
+                results = enc.encode_batch(batch)
+            except ConfigError as e:  # the template writes no end-of-turn token: every record would fail
+                raise ConfigError(f"{pieces.locate(piece.source, piece.kind, piece.start, k)}: {e}") from None
+            kept = []
+            for got in results:
+                tally.add(k, got)
                 k += 1
-                if enc is None:
-                    dropped += 1
-                    continue
-                writer.tokens(ids=enc.ids, mask=enc.mask)
-                writer.rows(lengths=[len(enc.ids)])
-                kept, supervised = kept + 1, supervised + int(enc.mask.sum())
-                ends.add(enc.end_of_turn)
+                if isinstance(got, Encoded):
+                    kept.append(got)
+            if kept:  # one write per batch: a write per conversation costs more than encoding it
+                writer.tokens(ids=np.concatenate([g.ids for g in kept]), mask=np.concatenate([g.mask for g in kept]))
+                writer.rows(lengths=[len(g.ids) for g in kept])
+            written += kept
             progress(n)
-        return {"documents": kept, "dropped": dropped, "supervised": supervised, "end_of_turn": sorted(ends - {-1})}
+        return {**tally.record(), "end_of_turn": sorted({g.end_of_turn for g in written} - {-1}),
+                "template_tokens": sorted(enc.template_tokens([g.ids for g in written]))}
 
     def finish(self, cfg: Config, split: Split, folder: Path, records: list[dict], done: dict[str, dict]) -> dict:
         lengths = np.diff(np.load(folder / "offsets.npy", mmap_mode="r"))
-        dropped = sum(r["dropped"] for r in records)
+        counts = chat_counts.summary(records)
         if not len(lengths):
             raise ConfigError(f"config key '{split.key}': no conversation of '{split.spec or 'built-in data'}' has a "
                               f"token to train on after truncation to model.block_size={cfg.model.block_size} "
-                              f"({dropped} dropped); raise model.block_size or check data.train_on")
-        ends = sorted({e for r in records for e in r["end_of_turn"]})
-        out = {"dropped": dropped, "supervised_tokens": sum(r["supervised"] for r in records), "end_of_turn": ends}
+                              f"({counts['dropped']} dropped: {prepare_reasons(counts)}); raise model.block_size or "
+                              f"check data.train_on and the chat template")
+        out = {**counts, "supervised_tokens": sum(r["supervised"] for r in records),
+               "end_of_turn": sorted({e for r in records for e in r["end_of_turn"]}),
+               "template_tokens": sorted({t for r in records for t in r.get("template_tokens", [])})}
         if cfg.data.packing:
             cut = training_rows(cfg, len(lengths)) if split.name == "train" else len(lengths)
             parts = [pack(lengths[:cut], cfg.model.block_size), pack(lengths[cut:], cfg.model.block_size, cut)]
@@ -140,6 +196,24 @@ class ChatFormat(prepare.RecordFormat):
             sets = (train.view(packed, 0, rows), train.view(packed, rows, None))
         return ChatData(tok_dir, *sets, end_of_turn=index["end_of_turn"], summary=index["summary"],
                         template_tokens=index.get("template_tokens", []))
+
+
+def prepare_reasons(counts: dict) -> str:
+    return ", ".join(f"{chat_counts.WHY[r]} {n}" for r, n in counts["dropped_by"].items()) or "none"
+
+
+def dropped_error(cfg: Config) -> str | None:
+    """data.max_dropped_fraction over the prepared stores of `cfg` (read from their index: a store over the
+    limit is complete, so raising the key does not prepare again)."""
+    tok_dir = prepare.tokenizer_folder(cfg, CHAT)
+    for split in splits(cfg):
+        index = store.read_index(prepare.store_folder(cfg, CHAT, split, tok_dir))
+        if index is not None:
+            message = chat_counts.gate(split.key, split.spec or "built-in data", index, cfg.data.max_dropped_fraction,
+                                       cfg.data.truncation, cfg.model.block_size)
+            if message:
+                return message
+    return None
 
 
 CHAT = ChatFormat()

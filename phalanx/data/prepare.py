@@ -45,9 +45,12 @@ class RecordFormat:
     needs = "eos_token"    # the special token the tokenizer must have; its id goes in the index (eos_id)
     token_arrays: dict = {"ids": None}  # per-token arrays: name -> dtype (None: store.token_dtype of the vocabulary)
     row_arrays: dict = {}  # per-row arrays: name -> dtype; with 'lengths' the rows are ragged (offsets.npy)
-    tokenizer_variant = ""  # non-empty: the format changes the tokenizer (adapt_tokenizer), so it has its own folder
 
-    def adapt_tokenizer(self, folder: Path) -> None:
+    def tokenizer_variant(self, cfg: Config) -> str:
+        """Non-empty: the format changes the tokenizer (adapt_tokenizer) as this says, so it has its own folder."""
+        return ""
+
+    def adapt_tokenizer(self, cfg: Config, folder: Path) -> None:
         """Change the tokenizer saved in `folder` before anything encodes with it (chat: add a template)."""
 
     def fields(self, cfg: Config) -> readers.Fields:
@@ -91,8 +94,8 @@ def tokenizer_folder(cfg: Config, fmt: RecordFormat) -> Path:
     else:
         fp = cache.fingerprint("trained-tokenizer-v3", fmt.tokenizer, d.vocab_size, d.tokenizer_sample_mb,
                                d.val_fraction, d.format, fmt.fields(cfg), source_identity(splits(cfg)[0], d.format))
-    if fmt.tokenizer_variant:
-        fp = cache.fingerprint(fp, fmt.tokenizer_variant)
+    if fmt.tokenizer_variant(cfg):
+        fp = cache.fingerprint(fp, fmt.tokenizer_variant(cfg))
     return cache.cache_root(d.cache_dir) / f"tokenizer-{fp}"
 
 
@@ -117,7 +120,7 @@ def prepare_tokenizer(cfg: Config, fmt: RecordFormat, say) -> Path:
             toks.save_trained(TRAINERS[fmt.tokenizer](texts, d.vocab_size), fmt.tokenizer, tmp)
             say(f"phalanx: trained a {d.vocab_size}-token {fmt.tokenizer} tokenizer on "
                 f"{sum(map(len, texts)) / 1e6:.1f} MB of sampled text in {time.perf_counter() - t0:.1f} s")
-        fmt.adapt_tokenizer(tmp)
+        fmt.adapt_tokenizer(cfg, tmp)
         if toks.special_id(tmp, fmt.needs) is None:
             raise ConfigError(f"tokenizer '{spec}': has no {fmt.needs.replace('_', ' ')}")
 
@@ -246,9 +249,15 @@ def _summary(split: Split, folder: Path, records: list[dict], seconds: float, wo
 def describe(s: dict) -> str:
     """A split's summary on one line (`phalanx prepare`, the launcher's log)."""
     how = "already prepared" if s.get("reused") else f"prepared in {s['seconds']:.1f} s ({s['mb_per_s']:.1f} MB/s)"
-    extra = "".join(f"; {k} {v}" for k, v in s.items() if k not in SUMMARY)
+    extra = "".join(f"; {k} {_shown(v)}" for k, v in s.items() if k not in SUMMARY)
     return (f"{s['split']}: {s['source']}: {s['files']} file(s), {s['documents']:,} documents, {s['tokens']:,} "
             f"tokens, {s['shards']} shard(s), {s['store_bytes'] / 1e6:.1f} MB; {how}{extra}; {s['folder']}")
+
+
+def _shown(value) -> str:
+    if isinstance(value, dict):  # e.g. chat's dropped_by: "too_long 3, template_refused 1"
+        return ", ".join(f"{k} {v}" for k, v in value.items())
+    return str(value)
 
 
 def remove_unlisted(folder: Path, records: list[dict]) -> None:

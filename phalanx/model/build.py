@@ -77,7 +77,7 @@ def _attention_refused(m: ModelConfig):
     except (ValueError, ImportError) as e:
         if m.attn_implementation == "auto" or "attention" not in str(e).lower():
             raise
-        reason = str(e).split(". ")[0]
+        reason = str(e).split(". ")[0].rstrip(".")
         raise ConfigError(f"config key 'model.attn_implementation': {m.attn_implementation} is not available: "
                           f"{reason}; use auto (the architecture's default) or another one") from None
 

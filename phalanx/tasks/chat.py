@@ -104,6 +104,11 @@ class ChatTask(TaskBase):
 
     @classmethod
     def check_prepared(cls, cfg: Config) -> None:
+        """data.max_dropped_fraction (from the stores' summaries: raising it does not prepare again), and a
+        training conversation left after the validation hold-out."""
+        too_many = chat_store.dropped_error(cfg)
+        if too_many:
+            raise ConfigError(too_many)
         if len(prepare.open_prepared(cfg, cls.FORMAT).train) == 0:
             raise ConfigError(f"config key 'data.train': every conversation of '{cfg.data.train or 'built-in data'}' "
                               f"is held out for validation; add conversations or lower data.val_fraction")
@@ -207,7 +212,8 @@ class ChatTask(TaskBase):
 
     def summary_extra(self) -> dict:
         s = self.data.summary
-        keys = ("documents", "dropped", "supervised_tokens", "packing_efficiency", "packed_rows")
+        keys = ("records", "documents", "truncated", "dropped", "dropped_by", "supervised_tokens",
+                "packing_efficiency", "packed_rows")
         return {"train_samples": len(self.train_set), "val_samples": len(self.val_set),
                 "vocab_size": len(self.tokenizer), **{f"data_{k}": s[k] for k in keys if k in s}}
 

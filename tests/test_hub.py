@@ -106,3 +106,105 @@ def test_a_dataset_in_the_datasets_cache_passes_without_network(tmp_path, monkey
     monkeypatch.setattr(hub, "_probe", lambda name, kind: "ConnectError: no network")
     with pytest.raises(ConfigError, match="data.train.*'org/MyCorpus' \\(config 'large'\\).*unreachable"):
         hub.check_hub_names(load_config(None, ["data.train=hf:org/MyCorpus:large"]))
+
+
+class FakeHub:
+    """`snapshot_download` over a local "remote" repo folder, as the real one behaves: the files matching
+    `allow_patterns` land in the one snapshot folder it returns; each request's patterns are recorded."""
+
+    def __init__(self, remote, snapshot):
+        self.remote, self.snapshot, self.asked = remote, snapshot, []
+        snapshot.mkdir(parents=True)
+
+    def __call__(self, name, allow_patterns=None, **kwargs):
+        import fnmatch
+        import shutil
+
+        self.asked.append(sorted(allow_patterns))
+        for f in self.remote.iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, self.snapshot / f.name)
+        return str(self.snapshot)
+
+
+@pytest.fixture
+def llama_repo(tmp_path):
+    """A tiny Llama as hub repos ship one: sharded safetensors + index, and Mistral's extra
+    consolidated.safetensors (another key layout, several GB on the real ones) beside them."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    remote = tmp_path / "remote"
+    model.save_pretrained(remote, max_shard_size="40KB")
+    (remote / "consolidated.safetensors").write_bytes(b"not for transformers")
+    return remote, model
+
+
+def build_from_hub(monkeypatch, fake, config_folder):
+    """phalanx's pretrained build of 'hf:someone/llama' with `fake` as the hub (the architecture from a
+    local copy of the configs, so that only the weights go through the fake)."""
+    from functools import partial
+
+    import huggingface_hub
+
+    from phalanx.core.config import ModelConfig
+    from phalanx.model.build import causal_lm
+    from phalanx.model.shard import Builder
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    return Builder(seed=1).build(partial(causal_lm, ModelConfig(pretrained=str(config_folder)), 0, 0),
+                                 "hf:someone/llama")
+
+
+def test_the_hub_is_asked_only_for_the_weight_files_the_index_names(tmp_path, monkeypatch, llama_repo):
+    import torch
+
+    remote, model = llama_repo
+    shards = sorted(p.name for p in remote.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    fake = FakeHub(remote, tmp_path / "snapshot")
+    got = build_from_hub(monkeypatch, fake, remote)
+    assert fake.asked == [["*.json"], shards]  # before: every *.safetensors, consolidated.safetensors too
+    assert not (tmp_path / "snapshot" / "consolidated.safetensors").exists()
+    for name, p in got.named_parameters():
+        assert torch.equal(p, model.get_parameter(name)), name
+
+
+def test_without_an_index_the_hub_is_asked_for_model_safetensors_alone(tmp_path, monkeypatch, llama_repo):
+    remote, model = llama_repo
+    for f in [*remote.glob("model-*.safetensors"), remote / "model.safetensors.index.json"]:
+        f.unlink()
+    model.save_pretrained(tmp_path / "one")
+    (tmp_path / "one" / "model.safetensors").rename(remote / "model.safetensors")
+    fake = FakeHub(remote, tmp_path / "snapshot")
+    build_from_hub(monkeypatch, fake, remote)
+    assert fake.asked == [["*.json"], ["model.safetensors"]]
+
+
+def test_a_bin_only_repo_is_fetched_by_its_bin_index(tmp_path, monkeypatch, llama_repo):
+    """Older repos: pytorch_model-0000k-of-0000n.bin + pytorch_model.bin.index.json (likewise index-driven)."""
+
+    import torch
+    from safetensors.torch import load_file
+
+    remote, model = llama_repo
+    index = json.loads((remote / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    bins = {}
+    for k, shard in enumerate(shards):
+        bins[f"pytorch_model-{k + 1:05d}-of-{len(shards):05d}.bin"] = load_file(str(remote / shard))
+        (remote / shard).unlink()
+    (remote / "model.safetensors.index.json").unlink()
+    (remote / "pytorch_model-00009-of-00009.bin").write_bytes(b"stale, not in the index")
+    for name, tensors in bins.items():
+        torch.save(tensors, remote / name)
+    weight_map = {key: name for name, tensors in bins.items() for key in tensors}
+    (remote / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    fake = FakeHub(remote, tmp_path / "snapshot")
+    got = build_from_hub(monkeypatch, fake, remote)
+    assert fake.asked == [["*.json"], ["model.safetensors"], sorted(bins)]
+    for name, p in got.named_parameters():
+        assert torch.equal(p, model.get_parameter(name)), name

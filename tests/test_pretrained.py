@@ -93,3 +93,39 @@ def test_export_dtype_fp32_of_a_16_bit_base_in_shards(tmp_path, cache_dir):
     index = json.loads((run / "final" / INDEX).read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert AutoModelForCausalLM.from_pretrained(run / "final").dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_write_hf_casts_parameters_on_both_paths_and_counts_the_limit_in_that_dtype(tmp_path, dtype):
+    """Parameters are written in the export dtype (cast from the fp32 master weights, tied ones once), a
+    persistent buffer keeps its own; config.json says the dtype; the size limit is counted in it: a limit
+    between the model's 16-bit and fp32 sizes is one file in 16 bit and shards in fp32."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from phalanx.core import dist
+    from phalanx.core.config import ModelConfig
+    from phalanx.run.export import write_hf
+
+    info = dist.DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, attempt=0,
+                         backend="gloo", device=torch.device("cpu"))
+    model = build_causal_lm(ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=64, block_size=32), 300, 0, seed=4)
+    model.model.register_buffer("counts", torch.arange(3.0))  # a persistent fp32 buffer
+    fp32_mb = sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    tok = type("Tok", (), {"save_pretrained": lambda self, out: None})()
+    for limit, path in ((2048, "one"), (0.6 * fp32_mb, "limit"), (0.02, "shards")):
+        write_hf(model, tok, tmp_path / path, info=info, shard_mb=limit, dtype=dtype)
+        files = sorted((tmp_path / path).glob("model*.safetensors"))
+        sharded = (tmp_path / path / INDEX).exists()
+        assert sharded == (path == "shards" or (path == "limit" and dtype == torch.float32)), path
+        written = {k: v for f in files for k, v in load_file(str(f)).items()}
+        assert written.pop("model.counts").dtype == torch.float32
+        assert {t.dtype for t in written.values()} == {dtype} and "lm_head.weight" not in written  # tied: once
+        for name, t in written.items():
+            assert torch.equal(t, model.get_parameter(name).detach().to(dtype)), name
+        if sharded:
+            index = json.loads((tmp_path / path / INDEX).read_text())
+            assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in written.values()) + 12
+        assert json.loads((tmp_path / path / "config.json").read_text())["dtype"] == str(dtype).split(".")[1]
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / path)
+        assert loaded.dtype == dtype and torch.equal(loaded.lm_head.weight, written["model.embed_tokens.weight"])

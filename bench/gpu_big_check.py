@@ -8,8 +8,9 @@ activation checkpointing, and with CPU offload. For each: tokens/s, MFU, peak de
 and reserved by the caching allocator) against the memory plan's figure, parameter/gradient/optimizer
 dtypes; then the sharded export is read back by plain transformers (same logits as the trained model).
 Last, model.attn_implementation=flash_attention_2 where flash-attn is importable (else said and skipped):
-the built model runs it, a packed chat row from phalanx's collate gives each conversation the loss it has
-alone under sdpa (and other losses when the positions do not restart), and a few steps lower the loss.
+the built model runs it, packed chat rows from phalanx's collate (two: the task's forward flattens them into
+one for flash attention) give each conversation the logits it has alone under sdpa (and others when the
+positions do not restart), and a few steps lower the loss.
 
     python bench/gpu_big_check.py [--steps 6] [--batch 4] [--seq 2048] [--layers 16] [--width 2048]
 Exit status: non-zero if a check fails.
@@ -91,27 +92,27 @@ def flash_attention_check(cfg, info, steps: int) -> bool:
     gen = torch.Generator().manual_seed(0)
     convs = [(torch.randint(0, cfg.data.vocab_size, (n,), generator=gen).numpy(),
               torch.rand(n, generator=gen).numpy() < 0.5) for n in (300, 517, 701)]
-    width = sum(len(x) for x, _ in convs) + 29  # and a pad tail
-    batch = {k: v.to(info.device) if torch.is_tensor(v) else v for k, v in collate_rows([convs], width, 0).items()}
-    ends = torch.tensor([len(x) for x, _ in convs]).cumsum(0).tolist()
-    spans = list(zip([0, *ends[:-1]], ends))
+    rows = [[convs[0], convs[1]], [convs[2]]]  # two rows: flash attention sees them flattened into one
+    width = 840  # and pad tails
+    batch = {k: v.to(info.device) if torch.is_tensor(v) else v for k, v in collate_rows(rows, width, 0).items()}
+    spans = [(0, 0, 300), (0, 300, 817), (1, 0, 701)]
 
-    def hidden(net, inputs: dict) -> torch.Tensor:
+    def logits(net, inputs: dict) -> torch.Tensor:
         with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
-            return net(**inputs, use_cache=False, output_hidden_states=True).hidden_states[-1].float()[0]
+            return task.logits(net, inputs).float()
 
     def error(packed: torch.Tensor) -> float:
         """Largest relative difference, over every real token, from each conversation run alone under sdpa
         (plain transformers: no mask, no position ids)."""
         worst = 0.0
-        for a, z in spans:
-            alone = hidden(ref, {"input_ids": batch["input_ids"][:, a:z]})
-            worst = max(worst, float(((packed[a:z] - alone).norm(dim=-1) / alone.norm(dim=-1)).max()))
+        for r, a, z in spans:
+            alone = logits(ref, {"input_ids": batch["input_ids"][r:r + 1, a:z]})[0]
+            worst = max(worst, float(((packed[r, a:z] - alone).norm(dim=-1) / alone.norm(dim=-1)).max()))
         return worst
 
-    inputs = {k: batch[k] for k in ("input_ids", "position_ids")}  # what ChatTask.logits passes for packed rows
-    packed_err = error(hidden(model, inputs))
-    leaked_err = error(hidden(model, {**inputs, "position_ids": torch.arange(width, device=info.device)[None]}))
+    packed_err = error(logits(model, batch))
+    arange = torch.arange(width, device=info.device).expand(2, -1)
+    leaked_err = error(logits(model, {**batch, "position_ids": arange}))
     model.train()
     opt = build_optimizer(model, cfg.train)
     losses = []

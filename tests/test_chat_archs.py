@@ -223,6 +223,28 @@ def test_the_built_model_runs_the_chosen_attention(arch, impl, runs):
                              f"model.attn_implementation={impl}"], check_paths=False)
     model = build_causal_lm(cfg.model, 64, 0, seed=0)
     assert model.config._attn_implementation == attention_in_use(model) == runs
+    assert attention_in_use(torch.compile(model)) == runs  # what the loop's forward may be
+
+
+def test_flash_attention_gets_the_micro_batch_as_one_row(conversations, monkeypatch):
+    """flash_attention_2 finds packed conversations from the position ids of a single row only
+    (transformers' _is_packed_sequence): the task's forward hands it the micro-batch flattened into one
+    row and gives the logits back per row. sdpa stands in for it here (no flash-attn on the CPU; it confines
+    the segments of one row too); bench/gpu_big_check.py runs the real kernel."""
+    import phalanx.tasks.chat as chat
+
+    ref, model = models("llama", "sdpa")
+    task = chat_task()
+    batch, spans, order = packed_batch(task, conversations)
+    shapes = []
+    model.register_forward_pre_hook(lambda m, args, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    with torch.no_grad():
+        per_conversation(task, model, batch, spans)
+        monkeypatch.setattr(chat, "attention_in_use", lambda m: "flash_attention_2")
+        got, logits = per_conversation(task, model, batch, spans)
+        want = [float(alone(ref, conversations[c])) for c in order]
+    assert shapes == [(2, WIDTH), (1, 2 * WIDTH)] and logits.shape[:2] == (2, WIDTH)
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-4)
 
 
 def test_a_pretrained_model_keeps_its_own_default(tmp_path):

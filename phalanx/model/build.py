@@ -83,8 +83,9 @@ def _attention_refused(m: ModelConfig):
 
 
 def attention_in_use(model: nn.Module) -> str:
-    """The attention implementation a built transformers model runs ('' for another module)."""
-    config = getattr(model, "config", None)
+    """The attention implementation a built transformers model runs, through a DDP or compile wrapper
+    ('' for another module)."""
+    config = getattr(getattr(model, "module", model), "config", None)
     return getattr(config, "_attn_implementation", None) or ""
 
 

@@ -23,7 +23,7 @@ from phalanx.core.config import Config, ConfigError, hub_name
 from phalanx.data import chat_store, prepare
 from phalanx.data import tokenizer as toks
 from phalanx.data.samplers import length_grouped_order, shuffled_order
-from phalanx.model.build import causal_lm
+from phalanx.model.build import attention_in_use, causal_lm
 from phalanx.model.lora import apply_lora, is_lora
 from phalanx.model.shard import Builder
 from phalanx.tasks.base import TaskBase
@@ -170,8 +170,13 @@ class ChatTask(TaskBase):
         return int(batch["real_tokens"])
 
     def logits(self, model, batch: dict) -> torch.Tensor:
+        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        shape = batch["input_ids"].shape
+        if "position_ids" in inputs and shape[0] > 1 and attention_in_use(model) == "flash_attention_2":
+            # flash attention reads packed conversations from the position ids of a single row only
+            inputs = {k: v.reshape(1, -1) for k, v in inputs.items()}
         # use_cache=False: with a key/value cache transformers would not confine packed conversations
-        return model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False).logits
+        return model(**inputs, use_cache=False).logits.view(*shape, -1)
 
     def loss_sum(self, model, batch: dict) -> torch.Tensor:
         return F.cross_entropy(self.logits(model, batch).float().flatten(0, 1), batch["labels"].flatten(),

@@ -49,7 +49,9 @@ def summary(records: list[dict]) -> dict:
     by = {r: sum(rec.get("dropped_by", {}).get(r, 0) for rec in records) for r in REASONS}
     out = {"records": sum(rec["documents"] + rec["dropped"] for rec in records),
            "truncated": sum(rec.get("truncated", 0) for rec in records),
-           "dropped": sum(rec["dropped"] for rec in records), "dropped_by": {k: v for k, v in by.items() if v}}
+           "dropped": sum(rec["dropped"] for rec in records)}
+    if out["dropped"]:
+        out["dropped_by"] = {k: v for k, v in by.items() if v}
     longest = max((rec for rec in records if rec.get("longest_dropped")), key=lambda rec: rec["longest_dropped"][0],
                   default=None)
     if longest is not None:

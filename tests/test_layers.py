@@ -74,3 +74,24 @@ def test_torch_free_modules(module):
     """`phalanx report` and the config checks work without importing torch (and start fast)."""
     code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+
+
+# data/'s reading seam, in the direction its imports go: where a source's files are listed and opened,
+# planned into pieces, read into records and checked, stored. A module may import only those after it.
+SEAM = ("sources", "pieces", "readers", "store")
+
+
+def seam_back_imports(imports: dict[str, set[str]]) -> list[str]:
+    """'a imports b' for every seam module that imports one before it (`imports`: module -> data modules)."""
+    return [f"data/{a}.py imports data/{b}.py" for i, a in enumerate(SEAM) for b in SEAM[:i]
+            if b in imports.get(a, set())]
+
+
+def test_the_reading_seam_imports_in_one_direction():
+    imports = {name: {m.split(".")[2] for _, m in phalanx_imports(PACKAGE / "data" / f"{name}.py")
+                      if m.startswith("phalanx.data.")} for name in SEAM}
+    assert not seam_back_imports(imports)
+    assert imports["pieces"] >= {"readers"} and imports["sources"] >= {"readers"}  # the seam is used as drawn
+    # control: an import back up the seam is found
+    assert seam_back_imports({**imports, "readers": imports["readers"] | {"pieces"}}) == \
+        ["data/readers.py imports data/pieces.py"]

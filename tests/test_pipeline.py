@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from phalanx.core.config import load_config
 from phalanx.data import pieces, prepare, store
 from phalanx.data import tokenizer as toks
-from phalanx.data.sources import Split
+from phalanx.data.sources import Split, open_source
 from phalanx.tasks.classify import ClassifyTask
 from phalanx.tasks.lm import LMTask
 
@@ -163,7 +163,7 @@ def test_a_validation_store_follows_the_training_labels(tmp_path):
 
 
 def test_split_and_piece_plans_name_their_source():
-    split = Split(str(SHAKESPEARE), "data.train", "train")
-    plan = list(pieces.plan(split, "auto", (("text", "text"),), 1 << 18))
+    source = open_source(Split(str(SHAKESPEARE), "data.train", "train"), "auto")
+    plan = list(pieces.plan(source, (("text", "text"),), 1 << 18))
     assert len(plan) > 3 and {p.source for p in plan} == {str(SHAKESPEARE)} and plan[-1].ends_document
-    assert pieces.plan_size(split) == SHAKESPEARE.stat().st_size
+    assert source.size == SHAKESPEARE.stat().st_size

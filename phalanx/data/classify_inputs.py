@@ -4,8 +4,6 @@ training data, and its encoding (training data is streamed into a store instead:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 
 from phalanx.core.config import ConfigError
@@ -28,16 +26,18 @@ class Examples:
 
 def read_inputs(path: str, text_field: str, pair_field: str) -> Examples:
     """Rows of a JSONL/CSV/Parquet file, or one text per non-blank line of a plain-text file."""
-    p = Path(path)
-    if sources.format_of(p, "auto") == "text" and not pair_field:
-        start = readers.content_start(p, "text")  # after a byte-order mark
-        texts = [line for line in readers.decode(p.read_bytes()[start:], path, start).splitlines() if line.strip()]
+    split = sources.Split(path, "--input", "test")
+    source = sources.open_source(split, "auto")
+    f = source.files[0]
+    if len(source.files) == 1 and f.kind == "text" and not pair_field:
+        start = readers.content_start(f.blob, "text")  # after a byte-order mark
+        texts = [line for line in readers.decode(f.blob.read(start, f.size), f.blob, start).splitlines()
+                 if line.strip()]
         if not texts:
             raise ConfigError(f"data file '{path}': no rows (empty file)")
         return Examples(texts)
     fields = ((text_field, "text"),) + (((pair_field, "text"),) if pair_field else ())
-    split = sources.Split(path, "--input", "test")
-    rows = [row for piece in pieces.plan(split, "auto", fields, 1 << 40)
+    rows = [row for piece in pieces.plan(source, fields, 1 << 40)
             for batch, _ in (pieces.rows(piece, fields) if piece.kind != "text" else ()) for row in batch]
     return Examples([r[0] for r in rows], [r[1] for r in rows] if pair_field else None)
 

@@ -1,4 +1,6 @@
-"""Streaming input: a corpus cut into pieces of bounded size, each read on its own (by any process).
+"""Streaming input: a corpus cut into pieces of bounded size, each read on its own (by any process) —
+the middle step of the reading seam: sources.py lists and opens a split's files, this module plans
+them into pieces and reads a piece through readers.py.
 
 A piece is the unit of parallel work and of resumption; it becomes one shard of the token store.
     text      a byte range of a plain-text file (the whole file is one document)
@@ -19,13 +21,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from phalanx.core.config import ConfigError
 from phalanx.data import builtin, readers
 from phalanx.data.cache import fingerprint
-from phalanx.data.readers import Fields
-from phalanx.data.sources import Split, file_identity, files_of, format_of
+from phalanx.data.readers import Blob, Fields
 
 WINDOW = 1 << 16
 
@@ -56,43 +56,53 @@ def line_cut(buf: bytes, pos: int) -> int:
 @dataclass(frozen=True)
 class Piece:
     kind: str
-    source: str
+    source: str                    # the file's name as messages show it (a path or URL), or the stream's
     start: int
     end: int
     size: int                      # input bytes it stands for (progress, sampling)
     fingerprint: str
     ends_document: bool = False    # text: the file ends here, an end-of-text token follows
     docs: tuple = field(default=(), repr=False)
+    file: Blob | None = field(default=None, compare=False, repr=False)  # where its bytes are (not docs)
 
     def where(self) -> str:
         unit = {"text": "bytes", "jsonl": "bytes", "parquet": "row groups", "docs": "rows"}[self.kind]
         return f"{self.source} {unit} {self.start}-{self.end}"
 
 
-def _cuts(path: Path, start: int, size: int, piece_bytes: int, finder) -> list[int]:
-    """Offsets where `path` is cut into pieces of about piece_bytes, found by reading small windows."""
-    cuts, pos = [start], start + piece_bytes
-    with open(path, "rb") as f:
-        while pos < size:
-            f.seek(pos - 1)
-            buf, base, found = b"", pos - 1, -1
-            while found == -1:
-                more = f.read(WINDOW)
-                if not more:
-                    break
-                buf += more
-                found = finder(buf, 1)
-            if found == -1:
-                break
-            cuts.append(base + found)
-            pos = base + found + piece_bytes
-    return cuts + [size]
+# ---- planning ------------------------------------------------------------------------------------
+def plan(source, fields: Fields, piece_bytes: int) -> Iterator[Piece]:
+    """The pieces of a split's data (`source`: sources.Source, its files listed once), in corpus order.
+    `fields` are the (name, kind) pairs each row must have, kind 'text' or 'label' (plain text files
+    have no fields)."""
+    spec = source.split.spec
+    if not spec:
+        whole = readers.columns(fields) is None  # a whole-row format reads the built-in conversations
+        items = builtin.stdlib_conversations() if whole else builtin.stdlib_docstrings()
+        yield from _doc_pieces("builtin", ((item,) for item in items), piece_bytes)
+        return
+    if spec.startswith("hf:"):
+        yield from _doc_pieces(spec, readers.hub_rows(spec, fields, source.split.name), piece_bytes)
+        return
+    for f in source.files:
+        if f.size == 0:
+            raise ConfigError(f"data file '{f.blob.name}': no rows (empty file)")
+        if f.kind == "text" and (len(fields) > 1 or readers.columns(fields) is None):
+            wanted = ", ".join(n for n, _ in fields if n) or "records"
+            raise ConfigError(f"data file '{f.blob.name}': plain text has no fields ({wanted}); use JSON Lines, "
+                              f"CSV or Parquet")
+        if f.kind == "csv":
+            readers.content_start(f.blob, f.kind)
+            yield from _doc_pieces(f.blob.name, readers.csv_rows(f.blob, fields), piece_bytes)
+        else:
+            yield from _file_pieces(f, fields, piece_bytes)
 
 
-def _file_pieces(path: Path, kind: str, fields: Fields, piece_bytes: int) -> list[Piece]:
-    ident = file_identity(path)
+def _file_pieces(f, fields: Fields, piece_bytes: int) -> list[Piece]:
+    """Pieces of one file (`f`: sources.DataFile) by row groups (Parquet) or safe byte ranges."""
+    ident, kind, name = f.identity, f.kind, f.blob.name
     if kind == "parquet":
-        meta = readers.open_parquet(path, fields).metadata
+        meta = readers.open_parquet(f.blob, fields).metadata
         groups, sizes = [0], 0
         for g in range(meta.num_row_groups):
             sizes += meta.row_group(g).total_byte_size
@@ -100,14 +110,29 @@ def _file_pieces(path: Path, kind: str, fields: Fields, piece_bytes: int) -> lis
                 groups.append(g + 1)
                 sizes = 0
         bounds = groups + [meta.num_row_groups]
-        per_group = ident[1] / max(meta.num_row_groups, 1)
-        return [Piece("parquet", str(path), a, b, int((b - a) * per_group), fingerprint(ident, kind, fields, a, b))
-                for a, b in zip(bounds, bounds[1:])]
+        per_group = f.size / max(meta.num_row_groups, 1)
+        return [Piece("parquet", name, a, b, int((b - a) * per_group), fingerprint(ident, kind, fields, a, b),
+                      file=f.blob) for a, b in zip(bounds, bounds[1:])]
     finder = safe_cut if kind == "text" else line_cut
-    cuts = _cuts(path, readers.content_start(path, kind), ident[1], piece_bytes, finder)
-    return [Piece(kind, str(path), a, b, b - a, fingerprint(ident, kind, fields, a, b, b == ident[1]),
-                  ends_document=(kind == "text" and b == ident[1]))
+    cuts = _cuts(f.blob, readers.content_start(f.blob, kind), f.size, piece_bytes, finder)
+    return [Piece(kind, name, a, b, b - a, fingerprint(ident, kind, fields, a, b, b == f.size),
+                  ends_document=(kind == "text" and b == f.size), file=f.blob)
             for a, b in zip(cuts, cuts[1:])]
+
+
+def _cuts(file: Blob, start: int, size: int, piece_bytes: int, finder) -> list[int]:
+    """Offsets where `file` is cut into pieces of about piece_bytes, found by reading small windows."""
+    cuts, pos = [start], start + piece_bytes
+    while pos < size:
+        buf, base, found = b"", pos - 1, -1
+        while found == -1 and base + len(buf) < size:
+            buf += file.read(base + len(buf), min(size, base + len(buf) + WINDOW))
+            found = finder(buf, 1)
+        if found == -1:
+            break
+        cuts.append(base + found)
+        pos = base + found + piece_bytes
+    return cuts + [size]
 
 
 def _doc_pieces(name: str, items: Iterator[tuple], piece_bytes: int) -> Iterator[Piece]:
@@ -121,33 +146,6 @@ def _doc_pieces(name: str, items: Iterator[tuple], piece_bytes: int) -> Iterator
             row, batch, size = row + len(batch), [], 0
     if batch:
         yield Piece("docs", name, row, row + len(batch), size, fingerprint(name, *batch), docs=tuple(batch))
-
-
-def plan(split: Split, fmt: str, fields: Fields, piece_bytes: int) -> Iterator[Piece]:
-    """The pieces of a split's data, in corpus order. `fmt` is data.format; `fields` are the (name, kind)
-    pairs each row must have, kind 'text' or 'label' (plain text files have no fields)."""
-    spec = split.spec
-    if not spec:
-        whole = readers.columns(fields) is None  # a whole-row format reads the built-in conversations
-        items = builtin.stdlib_conversations() if whole else builtin.stdlib_docstrings()
-        yield from _doc_pieces("builtin", ((item,) for item in items), piece_bytes)
-        return
-    if spec.startswith("hf:"):
-        yield from _doc_pieces(spec, readers.hub_rows(spec, fields, split.name), piece_bytes)
-        return
-    for path in files_of(spec, split.key):
-        kind = format_of(path, fmt)
-        if path.stat().st_size == 0:
-            raise ConfigError(f"data file '{path}': no rows (empty file)")
-        if kind == "text" and (len(fields) > 1 or readers.columns(fields) is None):
-            wanted = ", ".join(n for n, _ in fields if n) or "records"
-            raise ConfigError(f"data file '{path}': plain text has no fields ({wanted}); use JSON Lines, CSV "
-                              f"or Parquet")
-        if kind == "csv":
-            readers.content_start(path, kind)
-            yield from _doc_pieces(str(path), readers.csv_rows(path, fields), piece_bytes)
-        else:
-            yield from _file_pieces(path, kind, fields, piece_bytes)
 
 
 def value_bytes(value) -> int:
@@ -171,41 +169,45 @@ def texts_of(value, kind: str) -> list[str]:
     return [t for item in items for t in texts_of(item, "record")]
 
 
-def plan_size(split: Split) -> int:
-    """Input bytes of a file source (for progress); 0 for streams of unknown size."""
-    if not split.spec or split.spec.startswith("hf:"):
-        return 0
-    return sum(p.stat().st_size for p in files_of(split.spec, split.key))
-
-
 # ---- reading a piece -------------------------------------------------------------------------
 def locate(source: str, kind: str, start: int, k: int) -> str:
     """'data file X line L' (JSON Lines) or '... row R' for row k of the piece (source, kind, start)."""
     if kind == "jsonl":
-        line, seen = readers.line_of(source, start), -1
-        with open(source, "rb") as f:
-            f.seek(start)
-            for offset, text in enumerate(f):
-                seen += bool(text.strip())
-                if seen == k:
-                    return f"data file '{source}' line {line + offset}"
+        seen = -1
+        for line, text in _lines(readers.blob(source), start):
+            seen += bool(text.strip())
+            if seen == k:
+                return f"data file '{source}' line {line}"
     if kind == "parquet":
-        import pyarrow.parquet as pq  # lazy: only Parquet inputs need it
-
-        meta = pq.ParquetFile(source).metadata
+        meta = readers.open_parquet(readers.blob(source), ()).metadata
         start = sum(meta.row_group(g).num_rows for g in range(start))
     where = "data" if source.startswith("hf:") or source == "builtin" else "data file"
     return f"{where} '{source}' row {start + k + 1}"
 
 
+def _lines(file: Blob, start: int) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) from byte `start` (a line start) on, read in ranged blocks."""
+    line, pos, carry = readers.line_of(file, start), start, b""
+    while True:
+        block = file.read(pos, pos + (1 << 20))
+        pos += len(block)
+        lines = (carry + block).split(b"\n")
+        carry = lines.pop() if block else b""  # an unfinished last line waits for the next block
+        for text in lines:
+            yield line, text
+            line += 1
+        if not block:
+            return
+
+
 def text_chunks(piece: Piece, chunk_bytes: int = 1 << 20) -> Iterator[tuple[str, int]]:
     """A text piece as strings of about chunk_bytes, cut only at safe places; with their byte size."""
-    buf = readers.read_bytes(piece.source, piece.start, piece.end)
+    buf = piece.file.read(piece.start, piece.end)
     pos = 0
     while pos < len(buf):
         cut = safe_cut(buf, pos + chunk_bytes) if pos + chunk_bytes < len(buf) else -1
         end = len(buf) if cut == -1 else cut
-        yield readers.decode(buf[pos:end], piece.source, piece.start + pos), end - pos
+        yield readers.decode(buf[pos:end], piece.file, piece.start + pos), end - pos
         pos = end
 
 
@@ -216,32 +218,6 @@ def rows(piece: Piece, fields: Fields, batch_bytes: int = 1 << 20) -> Iterator[t
             batch = list(piece.docs[lo:lo + 4096])
             yield batch, sum(value_bytes(v) for item in batch for v in item)
     elif piece.kind == "jsonl":
-        yield from _jsonl_batches(piece, fields, batch_bytes)
+        yield from readers.jsonl_batches(piece.file, piece.start, piece.end, fields, batch_bytes)
     else:
-        yield from _parquet_rows(piece, fields)
-
-
-def _jsonl_batches(piece: Piece, fields: Fields, batch_bytes: int) -> Iterator[tuple[list[tuple], int]]:
-    try:
-        with open(piece.source, "rb") as f:
-            f.seek(piece.start)
-            pos = piece.start
-            while pos < piece.end:
-                buf = f.read(min(batch_bytes, piece.end - pos))
-                if pos + len(buf) < piece.end:
-                    buf += f.readline()  # complete the last line
-                yield readers.jsonl_rows(buf, piece.source, pos, fields), len(buf)
-                pos += len(buf)
-    except OSError as e:  # removed or unreadable since it was planned: one line, also from a pool worker
-        raise ConfigError(f"data file '{piece.source}': cannot read ({readers.one_line(e)})") from None
-
-
-def _parquet_rows(piece: Piece, fields: Fields) -> Iterator[tuple[list[tuple], int]]:
-    pf = readers.open_parquet(piece.source, fields)
-    row = sum(pf.metadata.row_group(g).num_rows for g in range(piece.start))
-    for g in range(piece.start, piece.end):
-        for batch, values in readers.row_group_rows(pf, g, fields, piece.source, row):
-            out = [readers.values_of(r, fields, lambda n=row + i + 1: f"data file '{piece.source}' row {n}")
-                   for i, r in enumerate(values)]
-            row += len(out)
-            yield out, int(batch.nbytes)
+        yield from readers.parquet_rows(piece.file, piece.start, piece.end, fields)

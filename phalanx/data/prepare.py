@@ -29,7 +29,7 @@ from phalanx.core.runfolder import write_json
 from phalanx.data import cache, pieces, pool, readers, store
 from phalanx.data import tokenizer as toks
 from phalanx.data.sample import sample_rows
-from phalanx.data.sources import Split, file_identity, files_of, source_identity, splits
+from phalanx.data.sources import Source, Split, file_identity, open_source, source_identity, splits
 
 # The summary every format gives per split (format-specific entries come after these).
 SUMMARY = ("split", "source", "files", "documents", "tokens", "shards", "store_bytes", "input_bytes", "seconds",
@@ -178,7 +178,8 @@ def build_split(cfg: Config, fmt: RecordFormat, split: Split, tok_dir: Path, how
     folder, identity = store_folder(cfg, fmt, split, tok_dir), fmt.identity(cfg, split)  # before reading
     folder.mkdir(parents=True, exist_ok=True)
     (folder / store.INDEX).unlink(missing_ok=True)  # an older data's index: a failure leaves none
-    vocab, total = toks.backend(tok_dir).get_vocab_size(with_added_tokens=True), pieces.plan_size(split)
+    source = open_source(split, d.format)
+    vocab, total = toks.backend(tok_dir).get_vocab_size(with_added_tokens=True), source.size
     job, notes = fmt.job(cfg, split, tok_dir, total)
     work = PieceWork(fmt, job, str(folder),
                      {n: np.dtype(dt or store.token_dtype(vocab)) for n, dt in fmt.token_arrays.items()},
@@ -187,7 +188,7 @@ def build_split(cfg: Config, fmt: RecordFormat, split: Split, tok_dir: Path, how
     workers = pool.pool_size(how.workers, total, size)
     bar = pool.progress_bar(how.progress, total, split.key)
     try:
-        records = pool.Encoding(work, folder, workers, bar).run(pieces.plan(split, d.format, fmt.fields(cfg), size))
+        records = pool.Encoding(work, folder, workers, bar).run(pieces.plan(source, fmt.fields(cfg), size))
     finally:
         bar.close()
     if not sum(r["tokens"] for r in records):
@@ -195,7 +196,7 @@ def build_split(cfg: Config, fmt: RecordFormat, split: Split, tok_dir: Path, how
     if "lengths" in fmt.row_arrays:
         store.write_offsets(folder, records)
     extras = fmt.finish(cfg, split, folder, records, done)
-    summary = _summary(split, folder, records, time.perf_counter() - t0, workers, {**notes, **extras})
+    summary = _summary(source, folder, records, time.perf_counter() - t0, workers, {**notes, **extras})
     index = {"version": fmt.version, "format": fmt.prefix, "dtype": work.dtypes["ids"].name, "vocab_size": vocab,
              f"{fmt.needs.removesuffix('_token')}_id": toks.special_id(tok_dir, fmt.needs),
              "tokenizer": tok_dir.name, "sources": identity, "tokens": summary["tokens"],
@@ -234,12 +235,12 @@ class PieceWork:
                              "range": [piece.start, piece.end], "bytes_in": piece.size})
 
 
-def _summary(split: Split, folder: Path, records: list[dict], seconds: float, workers: int, extras: dict) -> dict:
-    tokens, size = sum(r["tokens"] for r in records), sum(r["bytes_in"] for r in records)
+def _summary(source: Source, folder: Path, records: list[dict], seconds: float, workers: int, extras: dict) -> dict:
+    tokens, size, split = sum(r["tokens"] for r in records), sum(r["bytes_in"] for r in records), source.split
     stored = sum((folder / store.array_file(r["fingerprint"], name)).stat().st_size
                  for r in records for name in store.arrays_of(r))
     return {"split": split.name, "source": split.spec or "builtin",
-            "files": len(files_of(split.spec, split.key)) if split.spec and not split.spec.startswith("hf:") else 1,
+            "files": len(source.files) or 1,
             "documents": sum(r["documents"] for r in records), "tokens": tokens, "shards": len(records),
             "store_bytes": stored, "input_bytes": size, "seconds": round(seconds, 3),
             "mb_per_s": round(size / 1e6 / max(seconds, 1e-9), 2), "tokens_per_s": round(tokens / max(seconds, 1e-9)),

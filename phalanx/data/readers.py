@@ -1,14 +1,23 @@
-"""Reading each input format, checked: a file's first bytes (compressed, a Parquet file under another name,
-one JSON array, a UTF-8 byte-order mark), JSON Lines lines, Parquet row groups, CSV, hub datasets, and the
-fields of every row. Any damage is a one-line ConfigError naming the file and its line (JSON Lines, text),
-row (CSV, Parquet, hub data) or row group, in a pool worker as in the launcher. pieces.py decides which
-part of a file is read; this module reads it.
+"""Reading each input format, checked — the last step of the reading seam (sources.py lists and opens a
+split's files, pieces.py plans them into pieces, this module reads bytes and records): a file's first
+bytes (compressed, a Parquet file under another name, one JSON array, a UTF-8 byte-order mark), byte
+ranges, JSON Lines lines, Parquet row groups, CSV, hub datasets, and the fields of every row. Any damage
+is a one-line ConfigError naming the file and its line (JSON Lines, text), row (CSV, Parquet, hub data)
+or row group, in a pool worker as in the launcher.
+
+A file is a `Blob`: an fsspec filesystem (local, or whatever fsspec's installed backends reach: s3://,
+gs://, ...) and the file's path on it, plus the name messages show. Credentials and endpoints are the
+backend's own (environment, its config files); nothing of them passes through phalanx.
 """
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import fsspec
 
 from phalanx.core.config import ConfigError
 
@@ -18,6 +27,48 @@ BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark: what Windows tools write at th
 NOT_TEXT = ((b"\x1f\x8b", "gzip-compressed", "gunzip"), (b"\x28\xb5\x2f\xfd", "zstd-compressed", "unzstd"),
             (b"BZh", "bzip2-compressed", "bunzip2"), (b"\xfd7zXZ\x00", "xz-compressed", "unxz"),
             (b"PK\x03\x04", "a zip archive", "unzip"))
+RETRIES = (0.5, 2.0)  # seconds before the 2nd and 3rd try of a read that failed for a transient reason
+PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError)
+
+
+def is_url(name: str) -> bool:
+    """'s3://bucket/key', 'gs://...': a name for an fsspec backend rather than a local path."""
+    return "://" in name and not name.startswith("file://")
+
+
+@dataclass(frozen=True)
+class Blob:
+    """One file: `path` on the fsspec filesystem `fs`; `name` is what messages show (the local path as
+    given, or the URL)."""
+    fs: object = field(compare=False, repr=False)
+    path: str
+    name: str
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes [start, end), retried on transient errors; damage or absence is a one-line ConfigError."""
+        return _retried(lambda: self.fs.cat_file(self.path, start=start, end=end), self.name)
+
+    def open(self):
+        """A seekable binary file object (pyarrow reads Parquet and CSV through it)."""
+        return _retried(lambda: self.fs.open(self.path, "rb"), self.name)
+
+
+def blob(name: str) -> Blob:
+    """The Blob of a local path or a URL (fsspec keeps one filesystem object per backend and settings)."""
+    fs, path = fsspec.core.url_to_fs(name)
+    return Blob(fs, path, name)
+
+
+def _retried(call, name: str):
+    for pause in (*RETRIES, None):
+        try:
+            return call()
+        except PERMANENT as e:
+            raise ConfigError(f"data file '{name}': cannot read ({one_line(e)})") from None
+        except Exception as e:  # a connection reset, a throttled request, a timeout: worth another try
+            if pause is None:
+                raise ConfigError(f"data file '{name}': cannot read ({one_line(e)})") from None
+            time.sleep(pause)
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:
@@ -33,12 +84,11 @@ def columns(fields: Fields) -> list[str] | None:
     return None if any(kind == "record" for _, kind in fields) else [n for n, _ in fields]
 
 
-def content_start(path: Path | str, kind: str) -> int:
+def content_start(file: Blob, kind: str) -> int:
     """Where the text of a text, JSON Lines or CSV file starts: after a UTF-8 byte-order mark, else 0.
     A compressed file, a Parquet file, or (JSON Lines) one top-level JSON array is a ConfigError that
     says what to do, instead of a 'not valid UTF-8' or 'malformed JSON' error on its first line."""
-    with open(path, "rb") as f:
-        head = f.read(64)
+    head, path = file.read(0, 64), file.name
     for magic, what, tool in NOT_TEXT:
         if head.startswith(magic):
             raise ConfigError(f"data file '{path}': {what}; decompress it first ({tool} '{path}'), or convert it "
@@ -47,24 +97,26 @@ def content_start(path: Path | str, kind: str) -> int:
         raise ConfigError(f"data file '{path}': a Parquet file; name it .parquet or set data.format=parquet")
     start = len(BOM) if head.startswith(BOM) else 0
     if kind == "jsonl" and head[start:].lstrip().startswith(b"["):
-        path = Path(path)
-        lines = path.with_name(path.stem + ("-lines" if path.suffix == ".jsonl" else "") + ".jsonl")
+        p = Path(path)
+        lines = p.with_name(p.stem + ("-lines" if p.suffix == ".jsonl" else "") + ".jsonl")
         raise ConfigError(f"data file '{path}': one top-level JSON array, not JSON Lines (one object per line); "
                           f"convert it to JSON Lines, e.g. jq -c '.[]' '{path}' > '{lines}'")
     return start
 
 
-def open_parquet(path: Path | str, fields: Fields):
+def open_parquet(file: Blob, fields: Fields):
     """A `pyarrow.parquet.ParquetFile` whose footer is readable, with rows and the fields' columns."""
     import pyarrow.parquet as pq  # lazy: pyarrow only for Parquet/CSV inputs
 
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(file.open())
+    except ConfigError:
+        raise
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...: the message names the damage
-        raise ConfigError(f"data file '{path}': not a readable Parquet file ({one_line(e)})") from None
+        raise ConfigError(f"data file '{file.name}': not a readable Parquet file ({one_line(e)})") from None
     if pf.metadata.num_rows == 0:
-        raise ConfigError(f"data file '{path}': no rows (a Parquet file with 0 rows)")
-    _check_columns(pf.schema_arrow, fields, path)
+        raise ConfigError(f"data file '{file.name}': no rows (a Parquet file with 0 rows)")
+    _check_columns(pf.schema_arrow, fields, file.name)
     return pf
 
 
@@ -74,37 +126,27 @@ def _check_columns(schema, fields: Fields, path) -> None:
             raise ConfigError(f"data file '{path}': missing field '{name}' (fields: {', '.join(schema.names)[:200]})")
 
 
-def line_of(path: str, offset: int) -> int:
+def line_of(file: Blob, offset: int) -> int:
     """1-based line number of byte `offset` (counted only when an error is reported)."""
     count, done = 1, 0
-    with open(path, "rb") as f:
-        while done < offset:
-            block = f.read(min(1 << 24, offset - done))
-            if not block:
-                break
-            count += block.count(b"\n")
-            done += len(block)
+    while done < offset:
+        block = file.read(done, min(offset, done + (1 << 24)))
+        if not block:
+            break
+        count += block.count(b"\n")
+        done += len(block)
     return count
 
 
-def read_bytes(path: str, start: int, end: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
-    except OSError as e:  # removed or unreadable since it was planned: one line, also from a pool worker
-        raise ConfigError(f"data file '{path}': cannot read ({one_line(e)})") from None
-
-
-def decode(buf: bytes, path: str, base: int) -> str:
+def decode(buf: bytes, file: Blob, base: int) -> str:
     try:
         return buf.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"data file '{path}' line {line_of(path, base + e.start)}: not valid UTF-8 "
+        raise ConfigError(f"data file '{file.name}' line {line_of(file, base + e.start)}: not valid UTF-8 "
                           f"(byte offset {base + e.start})") from None
 
 
-def jsonl_rows(buf: bytes, path: str, base: int, fields: Fields) -> list[tuple]:
+def jsonl_rows(buf: bytes, file: Blob, base: int, fields: Fields) -> list[tuple]:
     """The fields of every non-blank line; an error names the file and line."""
     out, pos = [], 0
     for line in buf.split(b"\n"):
@@ -113,7 +155,7 @@ def jsonl_rows(buf: bytes, path: str, base: int, fields: Fields) -> list[tuple]:
             continue
 
         def where(start=start) -> str:
-            return f"data file '{path}' line {line_of(path, base + start)}"
+            return f"data file '{file.name}' line {line_of(file, base + start)}"
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -124,6 +166,19 @@ def jsonl_rows(buf: bytes, path: str, base: int, fields: Fields) -> list[tuple]:
             raise ConfigError(f"{where()}: malformed JSON ({e.msg})") from None
         out.append(values_of(row, fields, where))
     return out
+
+
+def jsonl_batches(file: Blob, start: int, end: int, fields: Fields, batch_bytes: int) -> Iterator[tuple[list, int]]:
+    """Rows of the line-aligned byte range [start, end) in batches of about batch_bytes (ranged reads: a
+    batch's unfinished last line is carried into the next), with the input bytes each stands for."""
+    pos, carry = start, b""
+    while pos < end:
+        buf = carry + file.read(pos, min(end, pos + batch_bytes))
+        base, pos = pos - len(carry), min(end, pos + batch_bytes)
+        cut = len(buf) if pos == end else buf.rfind(b"\n") + 1
+        carry = buf[cut:]
+        if cut:
+            yield jsonl_rows(buf[:cut], file, base, fields), cut
 
 
 def values_of(row, fields: Fields, where) -> tuple:
@@ -147,7 +202,19 @@ def values_of(row, fields: Fields, where) -> tuple:
     return tuple(out)
 
 
-def row_group_rows(pf, g: int, fields: Fields, path: str, row: int) -> Iterator[tuple]:
+def parquet_rows(file: Blob, first: int, last: int, fields: Fields) -> Iterator[tuple[list[tuple], int]]:
+    """Checked rows of row groups [first, last), in batches, with the input bytes each stands for."""
+    pf = open_parquet(file, fields)
+    row = sum(pf.metadata.row_group(g).num_rows for g in range(first))
+    for g in range(first, last):
+        for batch, values in _row_group_rows(pf, g, fields, file.name, row):
+            out = [values_of(r, fields, lambda n=row + i + 1: f"data file '{file.name}' row {n}")
+                   for i, r in enumerate(values)]
+            row += len(out)
+            yield out, int(batch.nbytes)
+
+
+def _row_group_rows(pf, g: int, fields: Fields, path: str, row: int) -> Iterator[tuple]:
     """(batch, its rows as dicts) of row group g; damage found while reading (a corrupt page, bad
     UTF-8) is a ConfigError naming the row group or row: in a pool worker as in the launcher."""
     batches = pf.iter_batches(batch_size=4096, row_groups=[g], columns=columns(fields))
@@ -178,18 +245,19 @@ def _bad_utf8_row(batch, fields: Fields, path: str, row: int) -> str:
     return f"data file '{path}' rows {row + 1}-{row + batch.num_rows}: not valid UTF-8"
 
 
-def csv_rows(path: Path, fields: Fields) -> Iterator[tuple]:
+def csv_rows(file: Blob, fields: Fields) -> Iterator[tuple]:
     """CSV through pyarrow's streaming reader; text columns are read as text (never as numbers), and
     damage (bad UTF-8, a row with the wrong number of columns) names pyarrow's row number."""
     import pyarrow as pa
     import pyarrow.csv as pcsv
 
+    path = file.name
     texts = {name: pa.string() for name, kind in fields if kind == "text"}
     try:
         if columns(fields) is None:  # a whole-row format: every column is text
-            texts = {name: pa.string() for name in pcsv.open_csv(path).schema.names}
+            texts = {name: pa.string() for name in pcsv.open_csv(file.open()).schema.names}
         # one thread: pyarrow's messages then carry the row number ('Row #N', the header is row 1)
-        reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=1 << 22, use_threads=False),
+        reader = pcsv.open_csv(file.open(), read_options=pcsv.ReadOptions(block_size=1 << 22, use_threads=False),
                                convert_options=pcsv.ConvertOptions(column_types=texts))
         _check_columns(reader.schema, fields, path)
         row = 0

@@ -301,11 +301,10 @@ def test_the_start_line_names_the_attention_and_flash_without_its_package_is_exi
                    timeout=240)
     start = next(line for line in proc.stdout.splitlines() if line.startswith("phalanx: task chat"))
     assert ", attention eager," in start + ",", start
-    for impl, words in (("flash_attention_2", "flash-attn package"), ("flex_attention", "no backward pass")):
-        run = tmp_path / impl
-        proc = phalanx(*common, "--run-dir", run, f"model.attn_implementation={impl}", timeout=120)
-        assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
-        assert len(proc.stderr.strip().splitlines()) == 1 and not (run / "logs").exists()
+    run = tmp_path / "flash"  # (flex on the CPU goes through the same launcher check: see above)
+    proc = phalanx(*common, "--run-dir", run, "model.attn_implementation=flash_attention_2", timeout=120)
+    assert proc.returncode == 2 and "flash-attn package" in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (run / "logs").exists()
 
 
 def test_the_start_line_says_auto(tmp_path):

@@ -140,7 +140,8 @@ class ModelConfig:
                         "identical across world sizes)", min=0.0, max=0.9)
     attn_implementation: str = _f("auto", "attention kernel of a transformers model: auto = the model's own "
                                   "default (sdpa where the architecture supports it, else eager); sdpa, eager, "
-                                  "flex_attention, flash_attention_2 (needs the flash-attn package and a GPU); "
+                                  "flex_attention (a GPU: no CPU backward), flash_attention_2 (the flash-attn "
+                                  "package and a GPU); "
                                   "the start line says which one runs",
                                   choices=["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"])
     lora: LoraSettings = _f(None, "chat: low-rank adapters through peft (only they train; the base stays frozen)",
@@ -428,7 +429,7 @@ def hub_name(spec: str) -> str:
 
 
 def _check_path(key: str, value: str) -> None:
-    if not value or value.startswith("hf:"):
+    if not value or value.startswith("hf:") or "://" in value:  # a hub name, or a URL listed when it is read
         return
     if not Path(value).exists():
         raise ConfigError(f"config key '{key}': file or folder '{value}' not found "

@@ -1,0 +1,107 @@
+"""Data on object storage, against a real S3-compatible server on 127.0.0.1 (tests/s3server.py: moto's
+server, reached by s3fs): inputs read from s3:// URLs give the same store as local files; damaged or
+missing objects are the same one-line exit 2."""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pytest
+from conftest import SHAKESPEARE, phalanx
+from s3server import S3Server
+from test_prepare import tokenizer_dir
+
+from phalanx.core.config import ConfigError, load_config
+from phalanx.data import prepare as pipeline
+from phalanx.data import store
+from phalanx.data.lm_store import LM
+
+LINES = [line for line in SHAKESPEARE.read_text(encoding="utf-8").splitlines() if line.strip()][:6000]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> str:
+    return str(tokenizer_dir(tmp_path_factory.mktemp("tok"), "\n".join(LINES[:2000])))
+
+
+def lm_cfg(data: str, cache: Path, tok: str, *extra):
+    return load_config(None, [f"data.train={data}", f"data.cache_dir={cache}", f"data.tokenizer={tok}",
+                              "data.val_fraction=0", "data.shard_mb=0.02", *extra])
+
+
+def jsonl_bytes(lines: list[str]) -> bytes:
+    return "".join(json.dumps({"text": t}) + "\n" for t in lines).encode()
+
+
+def table_bytes(lines: list[str], kind: str) -> bytes:
+    out, table = io.BytesIO(), pa.table({"text": lines})
+    pq.write_table(table, out, row_group_size=500) if kind == "parquet" else pcsv.write_csv(table, out)
+    return out.getvalue()
+
+
+def stored(summary: dict) -> tuple[np.ndarray, list]:
+    tokens = store.TokenStore(summary["folder"])
+    return tokens.slice(0, len(tokens)), [(s["tokens"], s["documents"], s["range"]) for s in tokens.index["shards"]]
+
+
+def test_every_input_format_read_from_s3_gives_the_local_store(s3, tok, tmp_path):
+    bucket = s3.bucket("inputs")
+    local = tmp_path / "local"
+    (local / "parts").mkdir(parents=True)
+    corpora = {"parts": {"parts/a.jsonl": jsonl_bytes(LINES[:3000]), "parts/b.jsonl": jsonl_bytes(LINES[3000:])},
+               "t.txt": {"t.txt": ("\n".join(LINES) + "\n").encode()},
+               "p.parquet": {"p.parquet": table_bytes(LINES[:3000], "parquet")},
+               "c.csv": {"c.csv": table_bytes(LINES[:2000], "csv")}}
+    for name, files in corpora.items():
+        for rel, data in files.items():
+            (local / rel).write_bytes(data)
+            s3.put(f"{bucket}/corpus/{rel}", data)
+        workers = 2 if name == "parts" else 1  # the pool's spawned processes read from S3 too
+        here = pipeline.prepare(lm_cfg(str(local / name), tmp_path / f"c-{name}", tok), LM, workers, progress=False)
+        there = pipeline.prepare(lm_cfg(f"{bucket}/corpus/{name}", tmp_path / f"s3-{name}", tok), LM, workers,
+                                 progress=False)
+        (ids, shards), (ids_s3, shards_s3) = stored(here["train"]), stored(there["train"])
+        assert len(shards) > 1 and shards_s3 == shards, name
+        assert np.array_equal(ids_s3, ids), name
+        assert there["train"]["source"].startswith("s3://") and there["train"]["files"] == len(files)
+        index = store.read_index(there["train"]["folder"])
+        assert index["sources"][0][0] == f"{bucket}/corpus/{sorted(files)[0]}" and index["sources"][0][2]  # ETag
+        again = pipeline.prepare(lm_cfg(f"{bucket}/corpus/{name}", tmp_path / f"s3-{name}", tok), LM, 1,
+                                 progress=False)
+        assert again["train"]["reused"]  # listed again: the same objects, the same store
+
+
+def test_damaged_or_missing_objects_are_one_line_like_local_files(s3, tok, tmp_path):
+    bucket = s3.bucket("damaged")
+    lines = [json.dumps({"text": t}) for t in LINES[:3000]]
+    lines[2345] = '{"text": "bad \udcff byte"}'
+    bad = "\n".join(lines).encode("utf-8", "surrogateescape") + b"\n"  # a lone 0xff byte on line 2346
+    cases = {"bad.jsonl": (bad, "data file 's3://damaged/bad.jsonl' line 2346: not valid UTF-8"),
+             "zipped.jsonl": (gzip.compress(jsonl_bytes(LINES[:50])), "'s3://damaged/zipped.jsonl': gzip-compressed"),
+             "cut.parquet": (table_bytes(LINES[:2000], "parquet")[:3000], "'s3://damaged/cut.parquet': not a "
+                             "readable Parquet file")}
+    for name, (data, message) in cases.items():
+        s3.put(f"{bucket}/{name}", data)
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            pipeline.prepare(lm_cfg(f"{bucket}/{name}", tmp_path / name, tok), LM, 1, progress=False)
+        assert not list((tmp_path / name).rglob(store.INDEX))
+    s3.put(f"{bucket}/good.jsonl", jsonl_bytes(LINES[:50]))
+    pipeline.prepare(lm_cfg(f"{bucket}/good.jsonl", tmp_path / "good", tok), LM, 1, progress=False)  # control
+    for url, message in ((f"{bucket}/nope.jsonl", "'s3://damaged/nope.jsonl' not found"),
+                         ("s3://no-such-bucket/x.jsonl", "cannot list 's3://no-such-bucket/x.jsonl' (")):
+        proc = phalanx("prepare", f"data.train={url}", f"data.cache_dir={tmp_path / 'cli'}", f"data.tokenizer={tok}")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+        assert f"config key 'data.train': {message}" in proc.stderr
+        assert "phalanx-test" not in proc.stderr + proc.stdout  # credentials never in phalanx's output

@@ -157,6 +157,21 @@ def test_a_new_head_is_what_from_pretrained_initialises_and_is_reported(tmp_path
                        body["distilbert.transformer.layer.1.ffn.lin2.weight"])
 
 
+def test_grown_embedding_rows_are_reported(tmp_path):
+    saved(tmp_path, family_config("llama"))  # untied: both embeddings grow
+
+    def define():
+        model = causal_lm(ModelConfig(pretrained=str(tmp_path)), 0, 0)
+        model.resize_token_embeddings(100, mean_resizing=False)
+        return model
+
+    builder = Builder(seed=1)
+    builder.build(define, str(tmp_path))
+    assert builder.report.grown == {"model.embed_tokens.weight": (96, 100), "lm_head.weight": (96, 100)}
+    assert builder.report.new == []
+    assert builder.report.clause() == "grown: model.embed_tokens 96 -> 100 rows, lm_head 96 -> 100 rows"
+
+
 def test_the_index_decides_which_files_are_read(tmp_path):
     """Sharded files + their index, beside a stale model.safetensors of other weights: the index's files
     are read (before, every *.safetensors was opened and the stale one, sorted last, won)."""
@@ -196,3 +211,26 @@ def test_unloaded_weights_are_exit_2_before_any_worker_starts(tmp_path, renamed_
     assert len(lines) == 1 and "model.pretrained" in lines[0], proc.stderr
     assert "model.layers.*.self_attn.q_proj.weight (x2)" in lines[0] and "lm_head.weight" in lines[0]
     assert "phalanx: task" not in proc.stdout and not (run / "logs").exists()  # no worker started
+
+
+def test_the_start_line_names_what_the_run_adds(tmp_path, cache_dir):
+    """classify from a masked-LM base (as from distilbert-base-uncased): the new head is said at the start."""
+    from conftest import SST2
+    from transformers import DistilBertConfig, DistilBertForMaskedLM, PreTrainedTokenizerFast
+
+    base = tmp_path / "base"
+    texts = [json.loads(line)["text"] for line in (SST2 / "train.jsonl").read_text().splitlines()[:2000]]
+    tok = PreTrainedTokenizerFast(tokenizer_object=toks.train_wordpiece(texts, 500), **toks.SPECIALS["wordpiece"])
+    torch.manual_seed(0)
+    DistilBertForMaskedLM(DistilBertConfig(vocab_size=len(tok), dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                           pad_token_id=tok.pad_token_id)).save_pretrained(base)
+    tok.save_pretrained(base)
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join((SST2 / "train.jsonl").read_text().splitlines()[:32]) + "\n")
+    proc = phalanx("train", "task=classify", f"data.train={train}", f"data.validation={SST2 / 'validation.jsonl'}",
+                   f"data.cache_dir={cache_dir}", "--run-dir", tmp_path / "run", f"model.pretrained={base}",
+                   "data.max_length=32", "train.micro_batch_size=8", "train.global_batch_size=16",
+                   "train.max_steps=1", "train.eval_max_samples=16", "log.progress=lines",
+                   "dist.threads_per_worker=1", check=True, timeout=180)
+    start = next(line for line in proc.stdout.splitlines() if line.startswith("phalanx: task classify"))
+    assert start.endswith(", new: pre_classifier, classifier (not in the checkpoint)"), start

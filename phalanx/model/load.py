@@ -65,7 +65,8 @@ class WeightPlan:
         self.plain, self.groups = _match_keys(template, ckpt.keys(), self.canonical)
         meta = {**dict(template.named_parameters()), **dict(template.named_buffers())}
         self.report = LoadReport()
-        for name, key in list(self.plain.items()):
+        for name in [n for n in meta if n in self.plain]:  # in the model's order
+            key = self.plain[name]
             saved, want = ckpt.shape(key), tuple(meta[name].shape)
             if saved == want:
                 continue

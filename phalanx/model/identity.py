@@ -7,8 +7,8 @@ are equal for a base and its instruct model. A copy of the folder (`cp` to node-
 identity; any changed byte changes it. Hashing streams 8 MB reads (constant memory per file; ~1 GB/s per
 core on this shared machine, page-cached; the files of a sharded base on threads) and each file's digest
 is cached under the phalanx cache folder by (real path, size, mtime_ns, inode, device), so a base is read
-once per place it lives, not once per run or checkpoint. A hub name's identity is `hf:NAME@COMMIT`, the snapshot's commit (a hub name alone is not
-versioned).
+once per place it lives, not once per run or checkpoint. A hub name's identity is `hf:NAME@COMMIT`, the
+snapshot's commit (a hub name alone is not versioned).
 """
 from __future__ import annotations
 

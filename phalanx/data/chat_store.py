@@ -123,7 +123,7 @@ class ChatFormat(prepare.RecordFormat):
     def _sample_texts(self, cfg: Config, formats: dict, settings: ChatSettings, tok) -> list[str]:
         """Rendered conversations from a sample of the training records (the tiktoken check's sample)."""
         shown = []
-        for (record,) in sample_rows(cfg, self.fields(cfg), 1 << 20):
+        for (record,) in sample_rows(cfg, self.fields(cfg), 256 << 10):
             try:
                 messages = _messages(record, formats, cfg.data.chat_format, "")
             except ConfigError:  # said with its place when its piece is encoded
@@ -221,48 +221,30 @@ CHAT = ChatFormat()
 
 # ---- packing ------------------------------------------------------------------------------------------
 class _FirstFit:
-    """Capacities 0..size with a set of open rows each; `at_least(c)` finds the smallest capacity >= c
-    that has a row (a segment tree over 'non-empty'), so best-fit costs O(log size) per conversation."""
+    """Capacities 0..size with a list of open rows each; `at_least(c)` finds the smallest capacity >= c
+    that has a row from a bit set of the non-empty capacities (a Python int: a shift and the lowest set
+    bit), so best fit costs a few operations per conversation."""
 
     def __init__(self, size: int):
-        self.n = 1 << (size + 1).bit_length()
-        self.tree = np.zeros(2 * self.n, dtype=bool)
+        self.bits = 0
         self.rows: dict[int, list[int]] = {}
 
     def add(self, capacity: int, row: int) -> None:
         self.rows.setdefault(capacity, []).append(row)
-        i = capacity + self.n
-        while i and not self.tree[i]:
-            self.tree[i] = True
-            i //= 2
+        self.bits |= 1 << capacity
 
     def take(self, capacity: int) -> int:
         rows = self.rows[capacity]
         row = rows.pop()
         if not rows:
             del self.rows[capacity]
-            i = capacity + self.n
-            self.tree[i] = False
-            while i > 1 and not (self.tree[i] or self.tree[i ^ 1]):
-                i //= 2
-                self.tree[i] = False
+            self.bits &= ~(1 << capacity)
         return row
 
     def at_least(self, c: int) -> int | None:
         """Smallest capacity >= c with an open row, or None."""
-        i, lo, hi = 1, 0, self.n - 1
-        if not self.tree[1]:
-            return None
-        return self._find(i, lo, hi, c)
-
-    def _find(self, i: int, lo: int, hi: int, c: int) -> int | None:
-        if hi < c or not self.tree[i]:
-            return None
-        if lo == hi:
-            return lo
-        mid = (lo + hi) // 2
-        left = self._find(2 * i, lo, mid, c)
-        return left if left is not None else self._find(2 * i + 1, mid + 1, hi, c)
+        above = self.bits >> c
+        return c + (above & -above).bit_length() - 1 if above else None
 
 
 def pack(lengths: np.ndarray, block: int, first: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -99,6 +99,25 @@ class Renderer:
         self.template = tokenizer.get_chat_template()
         self.variables = {**tokenizer.special_tokens_map, **(kwargs or {})}
         self.key = (self.template, json.dumps(kwargs or {}, sort_keys=True))
+        self._direct = self._direct_template()
+
+    def _direct_template(self):
+        """transformers' compiled template, called directly: `render_jinja_template` first rebuilds the
+        messages as plain data (ours are: dicts of text) and copies `reasoning_content` to `thinking` (for
+        templates that read that name) — a third of its cost. Used only where it renders a probe with
+        reasoning exactly as transformers does; else None (the probe shows a template that reads `thinking`)."""
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            compiled = _compile_jinja_template(self.template)
+            probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a", "reasoning_content": "r"},
+                     {"role": "user", "content": "v"}, {"role": "assistant", "content": "b", "reasoning_content": "s"}]
+            same = compiled.render(messages=probe, tools=None, documents=None, add_generation_prompt=False,
+                                   **self.variables) == self._render([probe], chat_template=self.template,
+                                                                     **self.variables)[0][0]
+        except Exception:  # not in this transformers version, or the template refuses the probe
+            return None
+        return compiled if same else None
 
     def one(self, messages: list[dict], generation: bool = False) -> str:
         """One conversation; a template that refuses it raises ConfigError with its reason."""
@@ -112,6 +131,10 @@ class Renderer:
     def many(self, conversations: list[list[dict]]) -> list[str | ConfigError]:
         """Each conversation's text, or the ConfigError of one the template refuses."""
         try:
+            if self._direct is not None:
+                render = self._direct.render
+                return [render(messages=m, tools=None, documents=None, add_generation_prompt=False, **self.variables)
+                        for m in conversations]
             return self._render(conversations, chat_template=self.template, **self.variables)[0]
         except Exception:  # some conversation is refused: find which, one by one
             out = []

@@ -79,7 +79,7 @@ def gate(split_key: str, source: str, index: dict, limit: float, truncation: str
     first = max(s["dropped_by"], key=s["dropped_by"].get)
     detail = f"longest: {s['longest_dropped']}" if first == "too_long" and s.get("longest_dropped") else \
         f"e.g. {example(index['shards'], first)}"
-    fixes = ["raise model.block_size" + (f" (now {block_size})" if first == "too_long" else "")]
+    fixes = [f"raise model.block_size (now {block_size})"]
     if truncation != "keep_end":
         fixes.append("set data.truncation=keep_end (keeps each record's last exchange)")
     fixes.append(f"or raise data.max_dropped_fraction (now {limit:g}) to train on what is left")

@@ -227,7 +227,8 @@ class ChatEncoder:
     def _result(self, full: _Full, truncated: bool, cut: int | None = None) -> Encoded | Dropped:
         ids, mask = full.tokens.ids[:cut], full.mask[:cut]
         if not mask[1:].any():  # the first token is never a target: nothing precedes it
-            return Dropped("nothing_to_learn", "no token left to train on", len(full.tokens.ids))
+            why = f"no reply token left after the cut to model.block_size={cut}" if cut else "no reply to train on"
+            return Dropped("nothing_to_learn", why, len(full.tokens.ids))
         return Encoded(ids, mask, full.ends[0] if full.ends else -1, truncated)
 
     # ---- truncation ---------------------------------------------------------------------------------

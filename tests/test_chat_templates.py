@@ -226,6 +226,10 @@ def test_train_on_all_still_records_the_end_of_turn():
         assert got.mask[1:].all() and got.end_of_turn == tok.convert_tokens_to_ids(EOT[name])
         ends = {tok.convert_tokens_to_ids(t) for t in FAMILIES[name][1]} & set(got.ids.tolist())
         assert encoder(tok).template_tokens([got.ids]) == ends
+    tok = family_tokenizer("qwen3")  # <think> is an added token that is not special: the template writes it too
+    got = encoder(tok).encode([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}])
+    assert encoder(tok).template_tokens([got.ids]) == set(tok.convert_tokens_to_ids(
+        ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]))
 
 
 def test_tiktoken_and_tokenizers_give_the_same_ids_and_masks():

@@ -79,9 +79,13 @@ def gate(split_key: str, source: str, index: dict, limit: float, truncation: str
     first = max(s["dropped_by"], key=s["dropped_by"].get)
     detail = f"longest: {s['longest_dropped']}" if first == "too_long" and s.get("longest_dropped") else \
         f"e.g. {example(index['shards'], first)}"
-    fixes = [f"raise model.block_size (now {block_size})"]
-    if truncation != "keep_end":
-        fixes.append("set data.truncation=keep_end (keeps each record's last exchange)")
+    fixes = []
+    if {"too_long", "nothing_to_learn"} & set(s["dropped_by"]):
+        fixes.append(f"raise model.block_size (now {block_size})")
+        if truncation != "keep_end":
+            fixes.append("set data.truncation=keep_end (keeps each record's last exchange)")
+    if {"template_refused", "template_changed"} & set(s["dropped_by"]):
+        fixes.append("fix those records or use a chat template that takes them")
     fixes.append(f"or raise data.max_dropped_fraction (now {limit:g}) to train on what is left")
     return (f"config key 'data.max_dropped_fraction': the data step dropped {dropped:,} of {total:,} records of "
             f"{split_key} ('{source}'), {dropped / total:.1%} (more than {limit:.1%}): {reasons}; {detail}; "

@@ -136,9 +136,11 @@ class ChatEncoder:
         self.renderer = Renderer(tokenizer, json.loads(settings.template_kwargs))
         self.layouts = Layouts(lambda messages, generation: self.renderer.one(messages, generation))
         self.tokens = tokens or HFTokens(tokenizer.backend_tokenizer)
-        specials = special_ids(tokenizer)
-        self.is_special = np.zeros(max(len(tokenizer), max(specials, default=0) + 1), dtype=bool)
+        specials, added = special_ids(tokenizer), set(tokenizer.added_tokens_decoder)
+        size = max(len(tokenizer), max(specials | added, default=0) + 1)
+        self.is_special, self.is_added = np.zeros(size, dtype=bool), np.zeros(size, dtype=bool)
         self.is_special[list(specials)] = True
+        self.is_added[list(specials | added)] = True  # the template's vocabulary: also Qwen3's <think>
 
     # ---- whole batches ------------------------------------------------------------------------------
     def encode_batch(self, conversations: list[list[dict]]) -> list[Encoded | Dropped]:
@@ -159,9 +161,10 @@ class ChatEncoder:
         return self.encode_batch([messages])[0]
 
     def template_tokens(self, ids: list[np.ndarray]) -> set[int]:
-        """The special tokens among `ids` (what the template writes: headers, end-of-turn, BOS)."""
+        """The special and added tokens among `ids`: what the template writes (headers, end-of-turn, BOS,
+        `<think>`), whose embedding rows a base model may never have trained (LoRA trains them)."""
         flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
-        return set(np.unique(flat[self.is_special[flat]]).tolist())
+        return set(np.unique(flat[self.is_added[flat]]).tolist())
 
     # ---- one conversation -----------------------------------------------------------------------------
     def _show(self, messages: list[dict]) -> tuple[list[dict], list]:

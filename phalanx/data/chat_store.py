@@ -332,4 +332,4 @@ class ChatData:
     validation: ChatSet
     end_of_turn: list[int]
     summary: dict
-    template_tokens: list[int] = field(default_factory=list)  # special tokens the chat template writes
+    template_tokens: list[int] = field(default_factory=list)  # special and added tokens the template writes

@@ -58,9 +58,14 @@ class Tokens:
     def __init__(self, text: str, ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, in_bytes: bool):
         self.text, self.ids, self.starts, self.ends = text, ids, starts, ends
         self.in_bytes = in_bytes and not text.isascii()  # ASCII: a byte is a character
+        self._at = (0, 0)  # the last (character, byte) looked up: lookups mostly go forward
 
     def unit(self, char: int) -> int:
-        return len(self.text[:char].encode("utf-8")) if self.in_bytes else char
+        if not self.in_bytes:
+            return char
+        c, b = self._at if char >= self._at[0] else (0, 0)
+        self._at = (char, b + len(self.text[c:char].encode("utf-8")))
+        return self._at[1]
 
     def char(self, unit: int) -> int:
         """The first character boundary at or after `unit`."""

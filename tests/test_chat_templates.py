@@ -192,6 +192,15 @@ def test_a_system_message_the_template_refuses_is_folded_or_exit_2():
     got = encoder(tok).encode(chat)
     assert "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>" in tok.decode(got.ids)
     assert runs(tok, got) == ["Hello.<end_of_turn>"]
+    # keep_end cuts the user's own text from its start, never the folded system text
+    question = " ".join(f"word{i}" for i in range(40)) + " end?"
+    long = [chat[0], {"role": "user", "content": question}, chat[2]]
+    n = len(tok.apply_chat_template(cv.fold_system(long), tokenize=True)["input_ids"])
+    cut = encoder(tok, block=n - 10).encode(long)
+    text = tok.decode(cut.ids)
+    kept = text.split("<start_of_turn>user\nBe brief.\n\n")[1].split("<end_of_turn>")[0]
+    assert cut.truncated and len(cut.ids) <= n - 10 and question.endswith(kept) and len(kept) < len(question) - 10
+    assert runs(tok, cut) == ["Hello.<end_of_turn>"]
     with pytest.raises(ConfigError, match="config key 'data.system_message': keep, but this chat template refuses"):
         cv.system_policy(tok, "keep")
     assert isinstance(encoder(tok, system="fold").encode(chat), Encoded)

@@ -125,7 +125,7 @@ class _Full:
     """One conversation rendered, tokenized, located and masked (before truncation)."""
     messages: list[dict]   # as in the record (system messages where they were)
     shown: list[dict]      # as rendered (system folded where the template refuses one)
-    origin: list           # record message -> (rendered message, offset of its text there)
+    origin: list | None    # record message -> (rendered message, offset of its text there); None: the same
     tokens: Tokens
     layout: tuple[Skeleton, Placement] | None
     mask: np.ndarray = field(default=None)
@@ -172,10 +172,10 @@ class ChatEncoder:
         return set(np.unique(flat[self.is_added[flat]]).tolist())
 
     # ---- one conversation -----------------------------------------------------------------------------
-    def _show(self, messages: list[dict]) -> tuple[list[dict], list]:
+    def _show(self, messages: list[dict]) -> tuple[list[dict], list | None]:
         if self.settings.system == "fold" and any(m["role"] == "system" for m in messages):
             return fold(messages)
-        return messages, [(i, 0) for i in range(len(messages))]
+        return messages, None  # nothing folded: each message is where it was
 
     def _full(self, messages: list[dict]) -> _Full | Dropped:
         shown, origin = self._show(messages)
@@ -305,7 +305,7 @@ class ChatEncoder:
         if full.layout is None:
             return None
         sk, pl = full.layout
-        shown, offset = full.origin[k]
+        shown, offset = full.origin[k] if full.origin else (k, 0)
         content = full.messages[k]["content"]
         where = [j for j, f in enumerate(sk.fields) if f == 2 * shown]
         if not where:

@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
-from conftest import SHAKESPEARE, phalanx
+import torch
+from conftest import REFERENCE, SHAKESPEARE, final_params, lm_args, phalanx, train_losses
 from s3server import S3Server
 from test_prepare import tokenizer_dir
 
@@ -105,3 +106,44 @@ def test_damaged_or_missing_objects_are_one_line_like_local_files(s3, tok, tmp_p
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
         assert f"config key 'data.train': {message}" in proc.stderr
         assert "phalanx-test" not in proc.stderr + proc.stdout  # credentials never in phalanx's output
+
+
+# ---- training from a remote store ---------------------------------------------------------------
+SMALL_SHARDS = ["data.shard_mb=0.05", "data.order_window=2"]  # 22 shards of ~52 KB: the cache holds ~10
+
+
+def remote_run(run: Path, cache: Path, store_url: str, *extra) -> list[str]:
+    return [*lm_args(run, cache, *REFERENCE, *SMALL_SHARDS), f"data.store_url={store_url}",
+            "data.cache_limit_gb=0.0006", *extra]
+
+
+def cache_folder(cache: Path) -> Path:
+    return next((cache / "remote").glob("store-*"))
+
+
+def test_a_store_larger_than_the_cache_trains_bitwise_like_the_local_store(s3, tmp_path, cache_dir):
+    """2 processes each side: the same windowed order from a local store and from S3 through a node cache
+    of 0.6 MB for a 1.15 MB store (evicting as it goes): identical losses and weights."""
+    url = s3.bucket("train-store")
+    local = tmp_path / "local"
+    phalanx(*lm_args(local, cache_dir, *REFERENCE, *SMALL_SHARDS, "data.order=windowed"), "--nproc-per-node", 2,
+            check=True, timeout=240)
+    run, cache = tmp_path / "remote", tmp_path / "node-cache"
+    phalanx(*remote_run(run, cache, url), "--nproc-per-node", 2, check=True, timeout=240)
+    same_run(run, local)
+    index = json.loads((cache_folder(cache) / store.INDEX).read_text())
+    store_bytes = index["summary"]["store_bytes"]
+    assert store_bytes > 1.5 * 0.6e6 and all(len(s["sha256"]["ids"]) == 64 for s in index["shards"])
+    left = sum(p.stat().st_size for p in cache_folder(cache).glob("*.bin"))
+    assert 0 < left <= 0.6e6, left  # the limit held: shards were evicted as the order moved on
+
+
+def same_run(run: Path, ref: Path, rel: float = 0.0) -> None:
+    """Equal losses at every step and equal final weights (rel=0: bit for bit)."""
+    got, want = train_losses(run), train_losses(ref)
+    assert sorted(got) == sorted(want) == list(range(1, 11))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=rel, abs=0), f"step {step}: {got[step]} vs {want[step]}"
+    p, q = final_params(run), final_params(ref)
+    for name in q:
+        torch.testing.assert_close(p[name], q[name], rtol=rel, atol=rel * 10, msg=name)

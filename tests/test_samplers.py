@@ -172,3 +172,49 @@ def test_lazy_order_keeps_sampler_guarantees_and_memory_flat():
     batch = huge.global_batch(123_456_789 * gbs)
     assert len(set(batch.tolist())) == gbs and batch.max() < 4_000_000_000
     assert sum(getattr(v, "nbytes", 0) for v in vars(huge.epoch_indices(0)).values()) < 2**20
+
+
+def _sharded_blocks(shards: int = 40, block: int = 8, seed: int = 0):
+    """A token stream cut into shards of uneven sizes, read as blocks of block+1 tokens (LM's windows:
+    a block crosses into the next shard), and its ShardPlan."""
+    from phalanx.data.samplers import ShardPlan
+
+    starts = np.concatenate([[0], np.cumsum(np.random.default_rng(seed).integers(20, 60, size=shards))])
+    n = int((starts[-1] - 1) // block)
+
+    def span(idx):
+        lo = np.asarray(idx, dtype=np.int64) * block
+        return lo, lo + block + 1
+    return n, ShardPlan(n, span, starts)
+
+
+def test_windowed_order_keeps_the_sampler_guarantees_and_batches_near_their_shards():
+    """Data order 4: every sample once per epoch, a function of (seed, epoch, position) only; a global batch
+    draws from at most two windows, and shards_ahead always holds what the next batch reads (across epoch
+    boundaries too) within the lookahead the cache is checked against. The global order's batches
+    spread over the whole store (the control)."""
+    from phalanx.data.samplers import WINDOWED, lookahead_shards, shuffled_order, windowed_order
+
+    n, plan = _sharded_blocks()
+    gbs, window = 16, 4
+    s = GlobalBatchSampler(n, gbs, 4, seed=5, order=windowed_order(plan, window))
+    stream = np.concatenate([s.global_batch(off) for off in range(0, 3 * n - gbs, gbs)])
+    for epoch in range(2):
+        assert np.array_equal(np.sort(stream[epoch * n:(epoch + 1) * n]), np.arange(n))
+    again = GlobalBatchSampler(n, gbs, 4, seed=5, order=windowed_order(plan, window))
+    assert np.array_equal(again.stream(n + 37, 300), s.stream(n + 37, 300))  # resumed anywhere: the same
+    assert not np.array_equal(s.stream(0, n), s.stream(n, n))  # epochs differ
+    limit = lookahead_shards(WINDOWED, window, gbs)
+    spread = {}
+    for name, sampler in (("windowed", s), ("global", GlobalBatchSampler(n, gbs, 4, 5, shuffled_order(n, True)))):
+        touched = []
+        for off in range(0, 2 * n, gbs):
+            need, ahead = plan.shards_of(sampler.stream(off, gbs)), sampler.shards_ahead(off, plan)
+            assert set(need.tolist()) <= set(ahead), (name, off)
+            touched.append(len(need))
+            if name == "windowed":
+                assert len(ahead) <= limit - 2
+                groups = np.searchsorted(plan.bounds, sampler.stream(off, gbs), side="right") - 1
+                assert len(set((groups // window).tolist())) <= 2
+        spread[name] = np.mean(touched)
+    assert spread["windowed"] * 2 < spread["global"], spread

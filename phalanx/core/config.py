@@ -71,7 +71,22 @@ class DataConfig:
     vocab_size: int = _f(4096, "vocabulary size of a tokenizer trained on the data", min=256, max=1_000_000)
     max_length: int = _f(128, "classify: truncate sequences to this many tokens", min=8, max=65536)
     group_by_length: bool = _f(True, "classify: form batches of similar length (less padding)")
-    cache_dir: str = _f("", "token cache folder; empty = $XDG_CACHE_HOME/phalanx or ~/.cache/phalanx")
+    cache_dir: str = _f("", "token cache folder; empty = $XDG_CACHE_HOME/phalanx or ~/.cache/phalanx. With "
+                        "data.store_url: a local folder, the node-local cache of the remote store")
+    store_url: str = _f("", "where prepared stores and their tokenizer are kept: an object-storage URL "
+                        "(s3://bucket/prefix; gs://, az://, ... through fsspec's installed backends) or a shared "
+                        "folder; empty = in data.cache_dir. Each node's workers read the shards through its "
+                        "cache (data.cache_dir, data.cache_limit_gb). Moving a store does not change a run")
+    cache_limit_gb: float = _f(0.0, "with data.store_url: the most disk the node-local cache of shards may use "
+                               "(0 = no limit); it must hold the order's lookahead (exit 2 at start otherwise)",
+                               min=0.0)
+    order: str = _f("auto", "training sample order: global = one shuffle of the whole training set per epoch; "
+                    "windowed = the shards in windows of data.order_window, the windows shuffled and the samples "
+                    "shuffled within each (a cache smaller than the store keeps hitting); auto = windowed with "
+                    "data.store_url, else global. Both are functions of (seed, epoch, position): the same on "
+                    "any world size; a resumed run keeps the order its checkpoint recorded",
+                    choices=["auto", "global", "windowed"])
+    order_window: int = _f(8, "shards per window of the windowed order", min=1)
     shard_mb: float = _f(32.0, "input megabytes per piece of work and store shard, at most (a corpus is cut "
                          "into ~64 pieces of at least 1 MB so every core has work); memory per preparing "
                          "process is about twice this", min=0.001, max=4096.0)
@@ -290,7 +305,7 @@ TRAINING_RELEVANT = ("task", "data.train", "data.validation", "data.val_fraction
                      "data.chat_format", "data.messages_field", "data.prompt_field", "data.input_field",
                      "data.completion_field", "data.system_field", "data.train_on", "data.truncation",
                      "data.template_kwargs", "data.system_message",
-                     "data.packing",
+                     "data.packing", "data.order", "data.order_window",
                      "data.tokenizer", "data.vocab_size", "data.max_length", "data.group_by_length",
                      "model", "train.global_batch_size", "train.lr", "train.min_lr_ratio",
                      "train.warmup_steps", "train.weight_decay", "train.beta1", "train.beta2",

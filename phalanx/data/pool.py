@@ -5,28 +5,25 @@ Each piece is encoded by one process into one shard plus its record (`<fingerpri
 a shard whose record exists is reused, so an interrupted preparation continues where it stopped. Memory is
 bounded by the piece size and the number of processes, not by the corpus.
 
-Several preparations may share a cache folder (parallel runs, or the launchers of several nodes on a
-shared file system): a piece is claimed with an exclusive-create file before it is encoded, so they
-split the work, and each waits for the pieces the others claimed (or takes over those of a process
-that died on this host).
+Several preparations may share a store (parallel runs, or the launchers of several nodes on a shared
+file system or preparing into one `data.store_url`): a piece is claimed with an exclusive create before
+it is encoded (remote.Place.claim), so they split the work, and each waits for the pieces the others
+claimed (or takes over those of a process that died).
 """
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from pathlib import Path
 
-import psutil
 from tqdm import tqdm
 
 from phalanx.core import host
-from phalanx.data import pieces, store
+from phalanx.data import pieces
+from phalanx.data.remote import Place
 
 
 def piece_bytes(shard_mb: float, total: int) -> int:
@@ -66,12 +63,13 @@ def report(n: int) -> None:
 
 
 class Encoding:
-    """Turns the pieces of one store into shards in `folder` with `workers` processes (at most 2 pieces
+    """Turns the pieces of one store into shards at `place` with `workers` processes (at most 2 pieces
     in flight per process): `work(piece)` (picklable) writes one shard and returns its record."""
 
-    def __init__(self, work: Callable[[pieces.Piece], dict], folder: Path, workers: int, bar):
+    def __init__(self, work: Callable[[pieces.Piece], dict], place: Place, workers: int, bar):
         self.work, self.workers, self.bar = work, workers, bar
-        self.folder = Path(folder)
+        self.place = place
+        self.encoded = 0  # pieces this preparation encoded (the others' were reused or another's)
         self.records: dict[int, dict] = {}
         self.others: dict[int, pieces.Piece] = {}   # claimed by another preparation
         self.mine: set[str] = set()
@@ -86,24 +84,29 @@ class Encoding:
             self._wait_for_others()
         finally:
             for fp in self.mine:
-                _release(self.folder, fp)
+                self.place.release(fp)
         return [self.records[i] for i in sorted(self.records)]
 
     def _skip(self, i: int, piece: pieces.Piece) -> bool:
-        record = store.shard_record(self.folder, piece.fingerprint)
+        fp = piece.fingerprint
+        record = self.place.record(fp, max_age=60)
+        if record is None and self.place.claim(fp):
+            record = self.place.record(fp)  # finished by another preparation since the listing was made?
+            if record is None:
+                self.mine.add(fp)
+                return False
+            self.place.release(fp)
         if record is not None:
             self.records[i] = record
             self.bar.update(piece.size)
-            return True
-        if not _claim(self.folder, piece.fingerprint):
+        else:
             self.others[i] = piece
-            return True
-        self.mine.add(piece.fingerprint)
-        return False
+        return True
 
     def _done(self, i: int, record: dict) -> None:
         self.records[i] = record
-        _release(self.folder, record["fingerprint"])
+        self.encoded += 1
+        self.place.release(record["fingerprint"])
         self.mine.discard(record["fingerprint"])
 
     def _inline(self, plan) -> None:
@@ -146,52 +149,18 @@ class Encoding:
         said = False
         while self.others:
             for i, piece in list(self.others.items()):
-                record = store.shard_record(self.folder, piece.fingerprint)
+                record = self.place.record(piece.fingerprint, max_age=1.0)
                 if record is not None:
                     self.records[i] = record
                     self.bar.update(piece.size)
                     del self.others[i]
-                elif _claim(self.folder, piece.fingerprint):
+                elif self.place.claim(piece.fingerprint):
                     del self.others[i]
                     self.mine.add(piece.fingerprint)
                     self._done(i, self.work(piece))
                     self.bar.update(piece.size)
             if self.others and not said:
                 print(f"phalanx: waiting for {len(self.others)} piece(s) another preparation is encoding "
-                      f"into {self.folder}", file=sys.stderr, flush=True)
+                      f"into {self.place.url or self.place.local}", file=sys.stderr, flush=True)
                 said = True
             time.sleep(0.2 if self.others else 0)
-
-
-def _claim_path(folder: Path, fp: str) -> Path:
-    return folder / f".{fp}.claim"
-
-
-def _claim(folder: Path, fp: str) -> bool:
-    """Exclusive-create a claim file naming this host and process; a claim of a dead local process is
-    taken over."""
-    path = _claim_path(folder, fp)
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                owner = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):  # being written now, or its writer died at once
-                if time.time() - path.stat().st_mtime < 10:
-                    return False
-                owner = {"host": socket.gethostname(), "pid": -1}
-            if owner.get("host") == socket.gethostname() and not psutil.pid_exists(owner.get("pid", -1)):
-                path.unlink(missing_ok=True)
-                continue
-            return False
-        with os.fdopen(fd, "w") as f:
-            json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
-        return True
-    return False
-
-
-def _release(folder: Path, fp: str) -> None:
-    _claim_path(folder, fp).unlink(missing_ok=True)
-
-

@@ -26,7 +26,7 @@ import numpy as np
 from phalanx.core import host
 from phalanx.core.config import Config, ConfigError
 from phalanx.core.runfolder import write_json
-from phalanx.data import cache, pieces, pool, readers, store
+from phalanx.data import cache, pieces, pool, readers, remote, samplers, store
 from phalanx.data import tokenizer as toks
 from phalanx.data.sample import sample_rows
 from phalanx.data.sources import Source, Split, file_identity, open_source, source_identity, splits
@@ -124,16 +124,25 @@ def prepare_tokenizer(cfg: Config, fmt: RecordFormat, say) -> Path:
         if toks.special_id(tmp, fmt.needs) is None:
             raise ConfigError(f"tokenizer '{spec}': has no {fmt.needs.replace('_', ' ')}")
 
-    return cache.build_once(tokenizer_folder(cfg, fmt), build)
+    tok_dir = cache.build_once(tokenizer_folder(cfg, fmt), build)
+    if d.store_url:  # beside the stores: every node's workers use this one
+        remote.share_folder(tok_dir, f"{d.store_url.rstrip('/')}/{tok_dir.name}")
+    return tok_dir
 
 
 def store_folder(cfg: Config, fmt: RecordFormat, split: Split, tok_dir: Path) -> Path:
+    """The store's local folder: the store itself, or (data.store_url) its node-local stage and cache."""
     # The source by name, not by its files' size and time (the index holds those): a changed file is
     # prepared into the same folder, which so never keeps an index of data that is gone.
     d = cfg.data
     fp = cache.fingerprint(fmt.version, tok_dir.name, split.spec or "builtin", split.name, d.format,
                            fmt.fields(cfg), fmt.settings(cfg), d.shard_mb)
-    return cache.cache_root(d.cache_dir) / f"{fmt.prefix}-{fp}"
+    return cache.cache_root(d.cache_dir) / ("remote" if d.store_url else "") / f"{fmt.prefix}-{fp}"
+
+
+def store_place(cfg: Config, fmt: RecordFormat, split: Split, tok_dir: Path) -> remote.Place:
+    folder, url = store_folder(cfg, fmt, split, tok_dir), cfg.data.store_url.rstrip("/")
+    return remote.Place(folder, f"{url}/{folder.name}" if url else "")
 
 
 def is_current(index: dict | None, identity: list) -> bool:
@@ -159,15 +168,37 @@ def prepare(cfg: Config, fmt: RecordFormat, workers: int = 0, progress: bool = T
     tok_dir = prepare_tokenizer(cfg, fmt, how.say)
     summaries, done = {}, {}
     for split in splits(cfg):
-        index = store.read_index(store_folder(cfg, fmt, split, tok_dir))
+        place = store_place(cfg, fmt, split, tok_dir)
+        index = place.read_index()
         if is_current(index, fmt.identity(cfg, split)):
             summaries[split.name] = {**index["summary"], "reused": True}
+            if place.remote:  # the local copy other steps read (e.g. chat's counts)
+                place.local.mkdir(parents=True, exist_ok=True)
+                write_json(place.local / store.INDEX, index)
         else:
             index = build_split(cfg, fmt, split, tok_dir, how, done)
             summaries[split.name] = index["summary"]
             how.say(f"phalanx: {describe(index['summary'])}")
         done[split.name] = index
+    check_cache(cfg, done["train"])
     return summaries
+
+
+def check_cache(cfg: Config, index: dict) -> None:
+    """data.cache_limit_gb must hold the lookahead of the training order (and what is kept whole)."""
+    d = cfg.data
+    if not (d.store_url and d.cache_limit_gb):
+        return
+    shards = samplers.lookahead_shards(samplers.order_version(d.order, d.store_url), d.order_window,
+                                       cfg.train.global_batch_size)
+    ahead, kept = remote.lookahead_bytes(index, shards)
+    if ahead + kept > d.cache_limit_gb * 1e9:
+        raise ConfigError(f"config key 'data.cache_limit_gb': {d.cache_limit_gb:g} GB cannot hold the lookahead of "
+                          f"the sample order: {ahead / 1e9:.3g} GB (the {shards} largest shards: the order's next "
+                          f"{'windows of data.order_window' if d.order != 'global' else 'two global batches'})"
+                          f" + {kept / 1e9:.3g} GB kept whole (row arrays, split-wide files); raise it to at "
+                          f"least {(ahead + kept) / 1e9:.3g}" + (" or lower data.order_window" if d.order != "global"
+                                                                 else ""))
 
 
 def build_split(cfg: Config, fmt: RecordFormat, split: Split, tok_dir: Path, how: Options,
@@ -175,34 +206,40 @@ def build_split(cfg: Config, fmt: RecordFormat, split: Split, tok_dir: Path, how
     """Encode one split into its folder, finish it and write its index (last); returns the index. `done`:
     the indexes of the splits before it."""
     t0, d = time.perf_counter(), cfg.data
-    folder, identity = store_folder(cfg, fmt, split, tok_dir), fmt.identity(cfg, split)  # before reading
+    place, identity = store_place(cfg, fmt, split, tok_dir), fmt.identity(cfg, split)  # before reading
+    folder = place.local
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / store.INDEX).unlink(missing_ok=True)  # an older data's index: a failure leaves none
+    place.remove_index()  # an older data's index: a failure leaves none
     source = open_source(split, d.format)
     vocab, total = toks.backend(tok_dir).get_vocab_size(with_added_tokens=True), source.size
     job, notes = fmt.job(cfg, split, tok_dir, total)
-    work = PieceWork(fmt, job, str(folder),
+    work = PieceWork(fmt, job, place,
                      {n: np.dtype(dt or store.token_dtype(vocab)) for n, dt in fmt.token_arrays.items()},
                      {n: np.dtype(dt) for n, dt in fmt.row_arrays.items()})
     size = pool.piece_bytes(d.shard_mb, total)
     workers = pool.pool_size(how.workers, total, size)
     bar = pool.progress_bar(how.progress, total, split.key)
     try:
-        records = pool.Encoding(work, folder, workers, bar).run(pieces.plan(source, fmt.fields(cfg), size))
+        encoding = pool.Encoding(work, place, workers, bar)
+        records = encoding.run(pieces.plan(source, fmt.fields(cfg), size))
     finally:
         bar.close()
+    place.localize_rows(records)  # the finish step reads them: those other nodes encoded too
     if not sum(r["tokens"] for r in records):
         raise ConfigError(f"config key '{split.key}': '{split.spec or 'built-in corpus'}' contains no text")
     if "lengths" in fmt.row_arrays:
         store.write_offsets(folder, records)
     extras = fmt.finish(cfg, split, folder, records, done)
-    summary = _summary(source, folder, records, time.perf_counter() - t0, workers, {**notes, **extras})
+    files = place.publish_files(sorted(p.name for p in folder.glob("*.npy")))
+    summary = _summary(source, place, records, time.perf_counter() - t0, workers, {**notes, **extras})
+    if place.remote:
+        summary["encoded_here"] = encoding.encoded  # this node's share of the pieces
     index = {"version": fmt.version, "format": fmt.prefix, "dtype": work.dtypes["ids"].name, "vocab_size": vocab,
              f"{fmt.needs.removesuffix('_token')}_id": toks.special_id(tok_dir, fmt.needs),
              "tokenizer": tok_dir.name, "sources": identity, "tokens": summary["tokens"],
-             "documents": summary["documents"], "shards": records, **extras, "summary": summary,
+             "documents": summary["documents"], "shards": records, **extras, "files": files, "summary": summary,
              "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    write_json(folder / store.INDEX, index)
+    place.write_index(index)
     remove_unlisted(folder, records)
     return index
 
@@ -212,12 +249,12 @@ class PieceWork:
     """Turns one piece into its shard, in a pool worker or inline (picklable: sent with each piece)."""
     fmt: RecordFormat
     job: object
-    folder: str
+    place: remote.Place
     dtypes: dict       # per-token arrays: name -> dtype
     row_dtypes: dict   # per-row arrays: name -> dtype
 
     def __call__(self, piece: pieces.Piece) -> dict:
-        writer = store.ShardWriter(Path(self.folder), piece.fingerprint, self.dtypes, self.row_dtypes)
+        writer = store.ShardWriter(self.place.local, piece.fingerprint, self.dtypes, self.row_dtypes)
         done = 0
 
         def progress(n: int) -> None:
@@ -231,14 +268,17 @@ class PieceWork:
             writer.abort()
             raise
         pool.report(piece.size - done)
-        return writer.close({**entries, "source": piece.source, "kind": piece.kind,
-                             "range": [piece.start, piece.end], "bytes_in": piece.size})
+        record = writer.close({**entries, "source": piece.source, "kind": piece.kind,
+                               "range": [piece.start, piece.end], "bytes_in": piece.size})
+        self.place.publish(record)  # a remote store's shard: uploaded, then its per-token arrays dropped here
+        return record
 
 
-def _summary(source: Source, folder: Path, records: list[dict], seconds: float, workers: int, extras: dict) -> dict:
+def _summary(source: Source, place: remote.Place, records: list[dict], seconds: float, workers: int,
+             extras: dict) -> dict:
     tokens, size, split = sum(r["tokens"] for r in records), sum(r["bytes_in"] for r in records), source.split
-    stored = sum((folder / store.array_file(r["fingerprint"], name)).stat().st_size
-                 for r in records for name in store.arrays_of(r))
+    stored = sum(sum(remote.array_sizes(r).values()) for r in records)
+    folder = place.url or place.local
     return {"split": split.name, "source": split.spec or "builtin",
             "files": len(source.files) or 1,
             "documents": sum(r["documents"] for r in records), "tokens": tokens, "shards": len(records),
@@ -273,16 +313,23 @@ def remove_unlisted(folder: Path, records: list[dict]) -> None:
 
 # ---- the workers' side ---------------------------------------------------------------------------
 def _current(cfg: Config, fmt: RecordFormat) -> tuple[Path, dict[str, Path]]:
-    tok_dir = tokenizer_folder(cfg, fmt)
+    """The tokenizer and stores' local folders; a remote store's (data.store_url) are readied in the
+    node-local cache: the tokenizer and what is kept whole fetched, the shards mapped from it later."""
+    d, tok_dir = cfg.data, tokenizer_folder(cfg, fmt)
+    if not tok_dir.is_dir() and d.store_url:
+        cache.build_once(tok_dir, lambda tmp: remote.fetch_folder(f"{d.store_url.rstrip('/')}/{tok_dir.name}", tmp))
     if not tok_dir.is_dir():
         raise FileNotFoundError(f"tokenizer '{tok_dir}' not prepared (run `phalanx prepare` with this config)")
     folders = {}
     for split in splits(cfg):
-        folder = store_folder(cfg, fmt, split, tok_dir)
-        if not is_current(store.read_index(folder), fmt.identity(cfg, split)):
-            raise FileNotFoundError(f"store for {split.key} in '{folder}' is missing or older than the data "
-                                    f"(run `phalanx prepare` with this config)")
-        folders[split.name] = folder
+        place = store_place(cfg, fmt, split, tok_dir)
+        index = place.read_index()
+        if not is_current(index, fmt.identity(cfg, split)):
+            raise FileNotFoundError(f"store for {split.key} in '{place.url or place.local}' is missing or older "
+                                    f"than the data (run `phalanx prepare` with this config)")
+        if place.remote:
+            remote.open_cached(place, index, int(d.cache_limit_gb * 1e9))
+        folders[split.name] = place.local
     return tok_dir, folders
 
 

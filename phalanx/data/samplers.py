@@ -134,6 +134,116 @@ def length_grouped_order(lengths: Sequence[int], micro_batch_size: int, mega_bat
     return order
 
 
+# ---- shards: the windowed order (data order 4) and what the order needs next ---------------------------
+GLOBAL, WINDOWED = 3, 4  # data order versions (run/state.py) of data.order=global / windowed
+
+
+def order_version(order: str, store_url: str) -> int:
+    """The data order a fresh run records: windowed when asked, or by default for a remote store."""
+    return WINDOWED if order == "windowed" or (order == "auto" and bool(store_url)) else GLOBAL
+
+
+def lookahead_shards(version: int, window: int, global_batch: int) -> int:
+    """At most how many shards the order needs at once (the cache must hold them): the windows a global
+    batch draws from (two, while a window holds at least a global batch of samples) and the one after
+    them, each of which may end in the first shard of the next; or two global batches of samples that may
+    each cross a shard boundary; and two for an evaluation reading the held-out tail."""
+    return 3 * (window + 1) + 2 if version >= WINDOWED else 4 * global_batch + 2
+
+
+class ShardPlan:
+    """Which shards a dataset's samples touch, for samples in corpus order over one token stream cut into
+    shards (`starts`: where each shard starts, one more for the end). `span(indices)` gives each sample's
+    token range (lo, hi). Sample i belongs to the shard of its first token: group k holds samples
+    [bounds[k], bounds[k + 1]), and reach[k] is the last shard those touch."""
+
+    def __init__(self, n: int, span, starts: np.ndarray):
+        self.span, self.starts = span, np.asarray(starts, dtype=np.int64)
+        shards = len(self.starts) - 1
+        self.bounds = np.array([self._first_from(int(self.starts[k]), n) for k in range(shards)] + [n], np.int64)
+        self.reach = np.arange(shards, dtype=np.int64)
+        for k in range(shards):
+            if self.bounds[k + 1] > self.bounds[k]:
+                self.reach[k] = self.shards_of(np.array([self.bounds[k + 1] - 1])).max()
+
+    @classmethod
+    def of(cls, dataset) -> ShardPlan:
+        """The plan of a task's dataset (`token_span`, `stores()`: its TokenStores, one stream)."""
+        return cls(len(dataset), dataset.token_span, dataset.stores()[0].starts)
+
+    def _first_from(self, token: int, n: int) -> int:
+        lo, hi = 0, n  # the first sample whose first token is at or after `token`
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.span(np.array([mid]))[0][0] >= token:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def shards_of(self, indices: np.ndarray) -> np.ndarray:
+        """The shards samples `indices` read, each once, in order of first need."""
+        if not len(indices):
+            return np.zeros(0, dtype=np.int64)
+        lo, hi = self.span(np.asarray(indices))
+        first = np.searchsorted(self.starts, lo, side="right") - 1
+        last = np.searchsorted(self.starts, np.maximum(hi - 1, lo), side="right") - 1
+        ranges = np.concatenate([np.arange(a, b + 1) for a, b in zip(first, last)])
+        _, at = np.unique(ranges, return_index=True)
+        return ranges[np.sort(at)]
+
+    def window_shards(self, w: int, window: int) -> np.ndarray:
+        """Shards the samples of window w (its groups [w * window, (w + 1) * window)) read."""
+        a, b = w * window, min((w + 1) * window, len(self.reach))
+        return np.arange(a, max(int(self.reach[a:b].max()) + 1, b))
+
+
+class WindowedPermutation:
+    """One epoch of the windowed order: windows of `window` consecutive shard groups in a shuffled order,
+    the samples of each in a shuffled order (a FeistelPermutation per window: nothing per sample is
+    stored). A function of the rng (seed, epoch) and the plan only."""
+
+    def __init__(self, plan: ShardPlan, window: int, rng: np.random.Generator):
+        groups = len(plan.bounds) - 1
+        count = -(-groups // window)
+        self.window = window
+        self.edges = plan.bounds[np.minimum(np.arange(count + 1) * window, groups)]
+        self.perm = rng.permutation(count)
+        self.keys = rng.integers(0, 2**63, size=count, dtype=np.uint64)
+        self.cum = np.concatenate([[0], np.cumsum(np.diff(self.edges)[self.perm])]).astype(np.int64)
+        self._inner: dict[int, FeistelPermutation] = {}
+
+    def __len__(self) -> int:
+        return int(self.cum[-1])
+
+    def slot_of(self, pos: int) -> int:
+        return int(np.searchsorted(self.cum, pos, side="right")) - 1
+
+    def _within(self, w: int) -> FeistelPermutation:
+        if w not in self._inner:
+            if len(self._inner) > 4:
+                self._inner.clear()
+            size = int(self.edges[w + 1] - self.edges[w])
+            self._inner[w] = FeistelPermutation(size, np.random.default_rng(int(self.keys[w])))
+        return self._inner[w]
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        start, stop, _ = s.indices(len(self))
+        parts, pos = [], start
+        while pos < stop:
+            slot = self.slot_of(pos)
+            w, base = int(self.perm[slot]), int(self.cum[slot])
+            hi = min(stop, int(self.cum[slot + 1]))
+            parts.append(self.edges[w] + self._within(w)[pos - base:hi - base])
+            pos = hi
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def windowed_order(plan: ShardPlan, window: int) -> EpochOrder:
+    """Data order 4: see WindowedPermutation."""
+    return lambda epoch, rng: WindowedPermutation(plan, window, rng)
+
+
 class GlobalBatchSampler:
     """Maps a global sample offset to the indices of the next global batch, and to this rank's share."""
 
@@ -174,6 +284,26 @@ class GlobalBatchSampler:
         if epoch != self.epoch:
             self.set_epoch(epoch)
         return self.stream(offset, self.global_batch_size)
+
+    def shards_ahead(self, offset: int, plan: ShardPlan) -> list[int]:
+        """The shards the order needs from global offset `offset` on, in order of need: with the windowed
+        order, those of the windows the next global batch draws from and of the window after them; with
+        another, those of the next two global batches."""
+        g = self.global_batch_size
+        order = self.epoch_indices(offset // self.n)
+        if not isinstance(order, WindowedPermutation):
+            return plan.shards_of(self.stream(offset, 2 * g)).tolist()
+        windows, pos = [], offset
+        while pos < offset + g:
+            epoch, within = divmod(pos, self.n)
+            order = self.epoch_indices(epoch)
+            slot = order.slot_of(within)
+            windows.append(int(order.perm[slot]))
+            pos = epoch * self.n + int(order.cum[slot + 1])
+        epoch, within = divmod(pos, self.n)  # the window after them (maybe the next epoch's first)
+        windows.append(int(self.epoch_indices(epoch).perm[self.epoch_indices(epoch).slot_of(within)]))
+        shards = np.concatenate([plan.window_shards(w, order.window) for w in windows])
+        return list(dict.fromkeys(shards.tolist()))
 
     def rank_micro_batches(self, global_indices: np.ndarray, rank: int, world_size: int) -> list[np.ndarray]:
         """This rank's micro-batches, in accumulation order."""

@@ -12,10 +12,14 @@ A store is a folder (one per split):
                               label ids, ...)
     index.json                the shards in corpus order and what they were made from, written last:
                               a store is complete exactly when its index exists
-Readers memory-map the shards, so memory per process does not depend on the size of the corpus.
+Each shard's record holds the sha256 of each of its array files (`sha256`; stores made before it have
+none: a download is then checked by size only). Readers memory-map the shards, so memory per process does
+not depend on the size of the corpus; a store kept on object storage (remote.py) is mapped shard by shard
+from the node-local cache (shard_cache.py) as the sample order reaches it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -23,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from phalanx.core.runfolder import write_json
+from phalanx.data import shard_cache
 
 INDEX = "index.json"
 
@@ -82,6 +87,7 @@ class ShardWriter:
         self.counts = {"tokens": 0, "rows": 0}
         self.tmp = {n: self.folder / f".{array_file(fp, n)}.{os.getpid()}.tmp" for n in self.dtypes}
         self.files = {n: open(path, "wb") for n, path in self.tmp.items()}
+        self.hashes = {n: hashlib.sha256() for n in self.dtypes}  # what a download is checked against
 
     def tokens(self, **arrays) -> None:
         """Per-token arrays of the same length, every one the format has (e.g. ids=..., types=...)."""
@@ -100,7 +106,9 @@ class ShardWriter:
             arr, dtype = np.asarray(values), self.dtypes[name]
             if arr.size and int(arr.max()) > np.iinfo(dtype).max:
                 raise ValueError(f"{name} value {int(arr.max())} does not fit the store's {dtype}")
-            arr.astype(dtype, copy=False).tofile(self.files[name])
+            data = np.ascontiguousarray(arr.astype(dtype, copy=False))
+            data.tofile(self.files[name])
+            self.hashes[name].update(data.data)
             sizes.add(arr.size)
         if len(sizes) > 1:
             raise ValueError(f"shard {per}: arrays of different lengths {sorted(sizes)}")
@@ -114,6 +122,7 @@ class ShardWriter:
                "tokens": self.counts["tokens"]}
         if set(self.dtypes) != {"ids"}:  # a store of token ids only keeps the first format's record
             ids.update(rows=self.counts["rows"], arrays={n: [dt.name, self.per[n]] for n, dt in self.dtypes.items()})
+        ids["sha256"] = {n: h.hexdigest() for n, h in self.hashes.items()}
         record = {**ids, **record}
         write_json(self.folder / f"{self.fp}.json", record)
         return record
@@ -140,22 +149,51 @@ def write_offsets(folder: Path, records: list[dict]) -> int:
 
 class TokenStore:
     """One per-token array of a complete store as one stream (`ids` by default): `slice(lo, hi)` or
-    `store[lo:hi]` reads across shard boundaries."""
+    `store[lo:hi]` reads across shard boundaries. Shards are memory-mapped when first read; a store kept on
+    object storage maps them from the node-local cache (`cache`), which fetches each when asked, and
+    `keep_only` releases the maps the order no longer needs (so the cache may evict them)."""
 
     def __init__(self, folder: str | Path, name: str = "ids"):
-        self.folder = Path(folder)
+        self.folder, self.name = Path(folder), name
         index = read_index(self.folder)
         if index is None:
             raise FileNotFoundError(f"token store '{self.folder}' has no {INDEX} (not prepared, or interrupted)")
         self.index = index
-        shards = [s for s in index["shards"] if s["tokens"]]  # an empty file cannot be memory-mapped
-        self.dtype = np.dtype(arrays_of(shards[0])[name][0]) if shards else np.dtype(index["dtype"])
-        self._maps = [shard_array(self.folder, s, name) for s in shards]
-        self._starts = np.zeros(len(shards) + 1, dtype=np.int64)
-        np.cumsum([s["tokens"] for s in shards], out=self._starts[1:])
+        self.shards = [s for s in index["shards"] if s["tokens"]]  # an empty file cannot be memory-mapped
+        self.dtype = np.dtype(arrays_of(self.shards[0])[name][0]) if self.shards else np.dtype(index["dtype"])
+        self.cache = shard_cache.attached(self.folder)
+        self._maps: dict[int, np.ndarray] = {}
+        self._fds: dict[int, int] = {}
+        self._keep: set[int] = set()  # a cached store keeps these mapped between reads (the lookahead)
+        self.starts = np.zeros(len(self.shards) + 1, dtype=np.int64)
+        np.cumsum([s["tokens"] for s in self.shards], out=self.starts[1:])
 
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return int(self.starts[-1])
+
+    def file_of(self, k: int) -> str:
+        return array_file(self.shards[k]["fingerprint"], self.name)
+
+    def shard(self, k: int) -> np.ndarray:
+        """Shard k's array, mapped on first use."""
+        if k not in self._maps:
+            if self.cache is None:
+                self._maps[k] = shard_array(self.folder, self.shards[k], self.name)
+            else:
+                fd = self._fds[k] = self.cache.open(self.file_of(k))
+                self._maps[k] = np.memmap(os.fdopen(os.dup(fd), "rb"), dtype=self.dtype, mode="r",
+                                          shape=(self.shards[k]["tokens"],))
+        return self._maps[k]
+
+    def keep_only(self, shards: set[int]) -> None:
+        """Release the maps (and the cache's shared locks) of every other shard; with a cache, a shard
+        outside `shards` is mapped only while it is read (an evaluation pass never pins the cache)."""
+        self._keep = set(shards)
+        for k in [k for k in self._maps if k not in shards]:
+            del self._maps[k]
+            fd = self._fds.pop(k, None)
+            if fd is not None:
+                os.close(fd)
 
     def __getitem__(self, span: slice) -> np.ndarray:
         lo, hi, step = span.indices(len(self))
@@ -167,14 +205,16 @@ class TokenStore:
         """Tokens [lo, hi) of the stream as a new array."""
         if not 0 <= lo <= hi <= len(self):
             raise IndexError(f"tokens [{lo}, {hi}) outside the store's {len(self)}")
-        k = int(np.searchsorted(self._starts, lo, side="right")) - 1
+        k = int(np.searchsorted(self.starts, lo, side="right")) - 1
         parts = []
         while lo < hi:
-            start, end = self._starts[k], self._starts[k + 1]
+            start, end = self.starts[k], self.starts[k + 1]
             take = min(hi, end) - lo
-            parts.append(self._maps[k][lo - start: lo - start + take])
+            parts.append(self.shard(k)[lo - start: lo - start + take])
             lo += take
             k += 1
-        if not parts:
-            return np.zeros(0, dtype=self.dtype)
-        return np.concatenate(parts) if len(parts) != 1 else np.array(parts[0])
+        out = np.concatenate(parts) if len(parts) > 1 else np.array(parts[0]) if parts else \
+            np.zeros(0, dtype=self.dtype)
+        if self.cache is not None and len(self._maps) > len(self._keep):
+            self.keep_only(self._keep)
+        return out

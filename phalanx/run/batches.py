@@ -5,12 +5,19 @@ the collation. On CUDA the next step's micro-batches are collated and pinned on 
 while the current step computes (`non_blocking` copies from pinned memory overlap the GPU; from
 ordinary memory they are synchronous), and the loop counts tokens on these host copies before moving
 them, so no count waits for the GPU. On the CPU everything runs inline, as it always has.
+
+On a store kept on object storage (data.store_url), each step first tells the node-local cache which
+shards the order needs next (`GlobalBatchSampler.shards_ahead`: the next window with the windowed order)
+and releases this rank's maps of the others, so the node's downloader fetches exactly those and may
+evict the rest.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from phalanx.data.samplers import ShardPlan
 
 
 def pin(batch: dict) -> dict:
@@ -35,8 +42,24 @@ class BatchSource:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-batches", initializer=init[0],
                                            initargs=init[1])
         self.ahead: tuple[int, list[int], Future] | None = None
+        stores = task.train_set.stores() if hasattr(task.train_set, "stores") else []
+        self.cached = [s for s in stores if s.cache is not None]
+        self.plan = ShardPlan.of(task.train_set) if self.cached else None
+
+    def follow(self, offset: int) -> None:
+        """The cache's lookahead from the step at `offset` (a remote store only)."""
+        if self.plan is None:
+            return
+        shards = self.sampler.shards_ahead(offset, self.plan)
+        wanted: dict[int, tuple] = {}
+        for st in self.cached:
+            st.keep_only(set(shards))
+            wanted.setdefault(id(st.cache), (st.cache, []))[1].extend(st.file_of(k) for k in shards)
+        for cache, names in wanted.values():
+            cache.want(names)
 
     def take(self, offset: int) -> tuple[list[int], list[dict]]:
+        self.follow(offset)
         if self.ahead is not None and self.ahead[0] == offset:
             _, micro_ids, future = self.ahead
             batches = future.result()

@@ -31,7 +31,7 @@ from phalanx.core.config import (
 from phalanx.core.faults import parse_fault
 from phalanx.core.runfolder import RunFolder, write_json
 from phalanx.data.cache import cache_root
-from phalanx.data.samplers import GlobalBatchSampler
+from phalanx.data.samplers import GlobalBatchSampler, order_version
 from phalanx.model import precision
 from phalanx.model.build import attention_in_use, count_parameters, model_builder, quiet_transformers, wrap
 from phalanx.model.identity import base_identity
@@ -86,7 +86,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     task.open_data()
     tr = build_trainee(cfg, info, task)
     _say(info, _start_line(cfg, info, tr, accum))
-    state = TrainState()
+    state = TrainState(data_order=order_version(cfg.data.order, cfg.data.store_url))  # a resume keeps its own
     checkpointer, saved = Checkpointer(folder.root, info, t.keep_checkpoints), checkpoint_dict(tr, state)
     resumed = _resume(cfg, checkpointer, saved, state, info)
     sampler = GlobalBatchSampler(len(task.train_set), t.global_batch_size, t.micro_batch_size, t.seed,

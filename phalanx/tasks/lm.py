@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from phalanx.core.config import Config, ConfigError
 from phalanx.data import lm_store, prepare, store
 from phalanx.data import tokenizer as toks
-from phalanx.data.samplers import shuffled_order
+from phalanx.data.samplers import WINDOWED, ShardPlan, shuffled_order, windowed_order
 from phalanx.model.build import causal_lm
 from phalanx.tasks.base import TaskBase
 
@@ -28,6 +28,14 @@ class PackedBlocks:
 
     def __len__(self) -> int:
         return self.n
+
+    def token_span(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [lo, hi) each window reads (the store's shards it touches: samplers.ShardPlan)."""
+        lo = self.lo + np.asarray(indices, dtype=np.int64) * self.block_size
+        return lo, lo + self.block_size + 1
+
+    def stores(self) -> list[store.TokenStore]:
+        return [self.tokens]
 
     def batch(self, indices) -> np.ndarray:
         b, lo = self.block_size, self.lo
@@ -81,7 +89,10 @@ class LMTask(TaskBase):
 
     def train_order(self, data_order: int):
         """A shuffled order per epoch, computed per global batch (data order 3), so memory per rank does not
-        grow with the corpus; older checkpoints keep the materialised permutation they started with."""
+        grow with the corpus; or shuffled within windows of shards (4: data.order); older checkpoints keep
+        the materialised permutation they started with."""
+        if data_order >= WINDOWED:
+            return windowed_order(ShardPlan.of(self.train_set), self.cfg.data.order_window)
         return shuffled_order(len(self.train_set), lazy=data_order >= 3)
 
     # ---- model and steps --------------------------------------------------------------------

@@ -1,0 +1,195 @@
+"""The node-local cache of a store kept on object storage: its shard files, downloaded as the sample order
+reaches them, within `data.cache_limit_gb`.
+
+One downloader per node: the process holding an exclusive `flock` on `.downloader.lock` in the cache
+folder (the kernel drops it when the process dies, so a killed run leaves no lock to wait on; the next
+holder removes the partial `.tmp` files only a downloader writes). It fetches the files its process's
+order wants next (`want`, in order of need) and those other processes of the node ask for (`.want.NAME`
+request files), each to a temporary name, checked (size, and the sha256 the index records) and renamed.
+Every process maps a file under a shared `flock` on it; eviction takes an exclusive one without waiting,
+so a mapped file (whose deletion would free no disk) is never evicted, nor is one wanted or requested.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import fsspec
+
+MARKER = "remote.json"  # in a cache folder: the store's URL, the limit, and its shard files' sizes and hashes
+LOCK = ".downloader.lock"
+TRIES = 3
+CHUNK = 8 << 20
+
+
+class DownloadError(RuntimeError):
+    """A file whose downloaded bytes never matched the index: it is refused, never trained on."""
+
+
+def fetch(fs, remote: str, local: Path, size: int, sha256: str | None) -> None:
+    """Download `remote` to `local` through a temporary name, checked (size; sha256 when the index records
+    one: stores made before it are checked by size only); a mismatch is fetched again, then refused."""
+    tmp = local.with_name(f".{local.name}.{os.getpid()}.tmp")
+    for attempt in range(TRIES):
+        h, n = hashlib.sha256(), 0
+        with fs.open(remote, "rb", block_size=CHUNK) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(CHUNK):
+                h.update(chunk)
+                dst.write(chunk)
+                n += len(chunk)
+        if n == size and (sha256 is None or h.hexdigest() == sha256):
+            os.replace(tmp, local)
+            return
+        time.sleep(0.2 * (attempt + 1))
+    tmp.unlink(missing_ok=True)
+    raise DownloadError(f"'{remote}': the downloaded bytes ({n} B, sha256 {h.hexdigest()[:12]}...) do not match "
+                        f"the store's index ({size} B, sha256 {(sha256 or 'not recorded')[:12]}...) after {TRIES} "
+                        f"tries; the remote copy is damaged: prepare the store again (phalanx prepare)")
+
+
+def write_marker(folder: Path, url: str, limit_bytes: int, files: dict[str, tuple[int, str | None]]) -> None:
+    tmp = folder / f".{MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"url": url, "limit_bytes": limit_bytes, "files": files}))
+    os.replace(tmp, folder / MARKER)
+
+
+_opened: dict[str, ShardCache] = {}
+
+
+def attached(folder: Path) -> ShardCache | None:
+    """The cache of `folder` when it holds a remote store's files (one per folder and process), else None."""
+    key = str(folder)
+    if key not in _opened:
+        try:
+            spec = json.loads((Path(folder) / MARKER).read_text())
+        except FileNotFoundError:
+            return None
+        _opened[key] = ShardCache(Path(folder), spec["url"], spec["limit_bytes"],
+                                  {k: tuple(v) for k, v in spec["files"].items()})
+    return _opened[key]
+
+
+class ShardCache:
+    def __init__(self, folder: Path, url: str, limit_bytes: int, files: dict[str, tuple[int, str | None]]):
+        self.folder, self.url, self.limit, self.files = folder, url, limit_bytes, files
+        self.fs, self.root = fsspec.core.url_to_fs(url)
+        self.wanted: list[str] = []
+        self.failed: str | None = None
+        self.fetched = 0          # bytes this process downloaded (the benchmark's count)
+        self.hits = self.misses = 0
+        self._lock_fd: int | None = None
+        self._wake = threading.Event()
+
+    # ---- every process ---------------------------------------------------------------------------
+    def want(self, names: list[str]) -> None:
+        """The files the order needs next, in order of need: what the downloader fetches and keeps."""
+        self.wanted = [n for n in dict.fromkeys(names) if n in self.files]
+        self._lead()
+        self._wake.set()
+
+    def open(self, name: str) -> int:
+        """A descriptor of the local copy of `name` under a shared lock (eviction passes it by); the
+        caller maps it, and closing the descriptor releases it."""
+        path, asked = self.folder / name, False
+        while True:
+            if self._present(name):
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    continue  # evicted between the check and the open
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                if os.fstat(fd).st_nlink:  # still the cache's file, not one evicted meanwhile
+                    self.hits += not asked
+                    return fd
+                os.close(fd)
+            self._raise_failure(name)
+            if not asked:
+                self.misses += 1
+                (self.folder / f".want.{name}").touch()
+                asked = True
+            self._lead()
+            self._wake.set()
+            time.sleep(0.01)
+
+    def _present(self, name: str) -> bool:
+        try:
+            return os.stat(self.folder / name).st_size == self.files[name][0]
+        except FileNotFoundError:
+            return False
+
+    def _raise_failure(self, name: str) -> None:
+        failed = self.folder / f".failed.{name}"
+        if self.failed or failed.exists():
+            raise DownloadError(self.failed or failed.read_text())
+
+    def _lead(self) -> bool:
+        """Become the node's downloader if no live process is (non-blocking)."""
+        if self._lock_fd is not None:
+            return True
+        fd = os.open(self.folder / LOCK, os.O_CREAT | os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        for stale in self.folder.glob(".*.tmp"):  # what a killed downloader was writing
+            stale.unlink(missing_ok=True)
+        threading.Thread(target=self._download_loop, name="phalanx-shard-cache", daemon=True).start()
+        return True
+
+    # ---- the downloader ---------------------------------------------------------------------------
+    def _download_loop(self) -> None:
+        while True:
+            requested = [p.name[6:] for p in self.folder.glob(".want.*")]
+            todo = [n for n in [*requested, *self.wanted] if n in self.files and not self._present(n)]
+            if not todo:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            name = todo[0]
+            size, sha = self.files[name]
+            try:
+                self._make_room(size, keep=set(requested) | set(self.wanted))
+                fetch(self.fs, f"{self.root}/{name}", self.folder / name, size, sha)
+                self.fetched += size
+            except Exception as e:  # said by every process that waits for this file
+                self.failed = str(e)
+                (self.folder / f".failed.{name}").write_text(str(e))
+                return
+            (self.folder / f".want.{name}").unlink(missing_ok=True)
+
+    def used(self) -> int:
+        return sum(e.stat().st_size for e in os.scandir(self.folder) if e.is_file() and not e.name.startswith("."))
+
+    def _make_room(self, size: int, keep: set[str]) -> None:
+        """Evict shard files until `size` more bytes fit the limit: never a wanted or requested file, nor one
+        a process maps; the least recently used first. Waits for processes to release their maps."""
+        if not self.limit:
+            return
+        while self.used() + size > self.limit:
+            candidates = sorted((e for e in os.scandir(self.folder) if e.is_file() and e.name in self.files
+                                 and e.name not in keep), key=lambda e: e.stat().st_atime)
+            if not any(self._evict(e.path) for e in candidates):
+                time.sleep(0.02)
+
+    @staticmethod
+    def _evict(path: str) -> bool:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # mapped by a process: deleting it would free no disk
+        else:
+            os.unlink(path)
+            return True
+        finally:
+            os.close(fd)

@@ -136,3 +136,27 @@ def test_phalanx_generate_keeps_half_the_context_for_the_sample(chat_run):
     proc = phalanx("generate", base, "--prompt", " ".join(["word"] * 300), "--max-new-tokens", "300", timeout=120)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "limited to 64 new tokens (the model has 128 positions)" in proc.stderr
+
+
+def test_phalanx_chat_folds_a_system_message_the_template_refuses(tmp_path):
+    """--system under a Gemma-style template (no system role) is folded into the first user turn, as
+    training folded it (data.system_message auto); a template that takes a system role keeps it."""
+    import torch
+    from chat_families import family_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from phalanx.tools.chat import Chat
+
+    for family, folded in (("gemma", True), ("chatml", False)):
+        tok, final = family_tokenizer(family), tmp_path / family
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                                     eos_token_id=tok.eos_token_id)).save_pretrained(final)
+        tok.save_pretrained(final)
+        chat = Chat(final, system="Speak as in a play.")
+        ids, budget = chat.ask("Who comes here?", 8)
+        text = tok.decode(ids[0])
+        assert budget == 8 and "Speak as in a play." in text
+        assert ("Speak as in a play.\n\nWho comes here?" in text) == folded, text
+        assert chat.answer(ids, budget) is not None  # generation runs on the folded prompt

@@ -14,6 +14,7 @@ import torch
 from phalanx.core.config import ConfigError, load_config
 from phalanx.core.registry import check_command
 from phalanx.core.runfolder import EXIT_OK, RunFolder
+from phalanx.data.chat_template import fold_system, system_policy
 from phalanx.model.build import load_causal_lm
 
 
@@ -36,10 +37,13 @@ class Chat:
     max_new_tokens), so the history keeps the other half; the oldest exchanges are dropped first when the
     prompt outgrows it. A last message so long that no token of reply would fit is a ConfigError."""
 
-    def __init__(self, final, system: str = "", device: torch.device | None = None):
+    def __init__(self, final, system: str = "", device: torch.device | None = None, system_message: str = "auto"):
         self.model, self.tokenizer = load_causal_lm(final)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(f"'{final}' has no chat template (train it with task: chat)")
+        # --system as training treated system messages (data.system_message): kept where the template takes
+        # one, else folded into the first user turn. data.template_kwargs are baked into the saved template.
+        self.fold = bool(system) and system_policy(self.tokenizer, system_message) == "fold"
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model.to(self.device)
         self.system = system
@@ -59,6 +63,8 @@ class Chat:
 
     def _render(self) -> torch.Tensor:
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.history
+        if self.fold:
+            messages = fold_system(messages)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=True, return_tensors="pt")["input_ids"]
 
@@ -124,7 +130,8 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens: expected >= 1, got {args.max_new_tokens}")
     torch.manual_seed(args.seed)
-    chat = Chat(folder.final, args.system)
+    trained = load_config(str(folder.config), check_paths=False) if folder.config.is_file() else None
+    chat = Chat(folder.final, args.system, system_message=trained.data.system_message if trained else "auto")
     if args.message is not None:
         temperature = args.temperature if args.temperature is not None else 0.0
         answer = chat.reply(args.message, args.max_new_tokens, temperature, args.top_k)

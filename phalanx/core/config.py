@@ -161,6 +161,11 @@ class ModelConfig:
                                   choices=["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"])
     lora: LoraSettings = _f(None, "chat: low-rank adapters through peft (only they train; the base stays frozen)",
                             factory=LoraSettings)
+    base_dtype: str = _f("auto", "LoRA: the dtype the frozen base weights are stored in (adapters, their "
+                         "gradients and AdamW state stay fp32; the compute dtype is train.precision's): auto = the "
+                         "pretrained checkpoint's own dtype under fsdp, or under ddp when train.precision computes "
+                         "in 16 bit, else fp32; bf16/fp16 under ddp need a 16-bit train.precision. Full "
+                         "fine-tuning keeps fp32 master weights", choices=["auto", "fp32", "bf16", "fp16"])
 
 
 @dataclass
@@ -467,6 +472,9 @@ def validate(cfg: Config, *, check_paths: bool = True) -> None:
         raise ConfigError(f"config key 'model.n_embd': {m.n_embd} is not divisible by model.n_head={m.n_head}")
     if t.cpu_offload and t.strategy != "fsdp":
         raise ConfigError("config key 'train.cpu_offload': offloads FSDP2's shards; it needs train.strategy=fsdp")
+    if m.base_dtype in ("bf16", "fp16") and not m.lora.r:
+        raise ConfigError(f"config key 'model.base_dtype': {m.base_dtype} stores a frozen base, and only LoRA "
+                          f"(model.lora.r > 0) freezes one; full fine-tuning keeps fp32 master weights")
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"config key 'train.global_batch_size': {t.global_batch_size} is not a multiple "
                           f"of train.micro_batch_size={t.micro_batch_size}")

@@ -175,20 +175,24 @@ def _seed(seed: int | None) -> int:
     return int(torch.randint(0, 2**62, ())) if seed is None else seed
 
 
-def model_builder(t: TrainConfig, device: torch.device, world_size: int, amp_dtype: torch.dtype | None) -> Builder:
+def model_builder(t: TrainConfig, device: torch.device, world_size: int, amp_dtype: torch.dtype | None,
+                  frozen_dtype: torch.dtype | None = None) -> Builder:
     """How a training worker builds its model: under FSDP2 (more than one process) on the meta device,
     sharded, then only this rank's shards materialised and filled; otherwise whole, on the worker's
     device. Either way initialised by (seed, name), so every strategy and world size starts from the same
-    weights; the chosen blocks are activation-checkpointed."""
+    weights; the chosen blocks are activation-checkpointed. `frozen_dtype`: a LoRA run's frozen base is
+    stored in it (precision.base_dtype). Under FSDP2 a unit then holds two dtypes (16-bit base, fp32
+    adapters), so without a 16-bit compute dtype the gathers are cast to fp32 (FSDP2 needs one dtype)."""
     precision.check_offload(t.cpu_offload, device.type)
     sharded = t.strategy == "fsdp" and world_size > 1
-    shard = partial(fsdp_shard, device=device, world_size=world_size, param_dtype=amp_dtype,
+    gather_dtype = amp_dtype or (torch.float32 if frozen_dtype is not None else None)
+    shard = partial(fsdp_shard, device=device, world_size=world_size, param_dtype=gather_dtype,
                     cpu_offload=t.cpu_offload) if sharded else None
     offload = sharded and t.cpu_offload  # the shards live on the host; buffers go to the GPU
     return Builder(seed=t.seed, device=torch.device("cpu") if offload else device, shard=shard,
                    prepare=partial(apply_activation_checkpointing, mode=t.activation_checkpointing,
                                    every=t.activation_checkpointing_every),
-                   buffer_device=device if offload else None)
+                   buffer_device=device if offload else None, frozen_dtype=frozen_dtype)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -204,6 +208,13 @@ def wrap(model: nn.Module, strategy: str, info) -> nn.Module:
 
     device_ids = [info.device.index] if info.device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+
+def export_entries(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of what an export holds, in state-dict order: parameters and persistent buffers, a
+    tied tensor once under its first name (as save_pretrained writes it). Tensors may be FSDP2 shards."""
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # each shared tensor once
+    return [(name, tensors[name]) for name in model.state_dict() if name in tensors]
 
 
 def tie_shared(state: dict, model: nn.Module) -> dict:

@@ -57,11 +57,10 @@ def init_rules(template: nn.Module) -> dict[str, object]:
     return rules
 
 
-def init_by_name(model: nn.Module, template: nn.Module, block_names: set[str], seed: int,
-                 todo: dict[str, torch.Tensor]) -> None:
-    """Initialise the tensors of `model` named in `todo` (parameters and buffers, by qualified name; the
-    others, loaded from a checkpoint, are left alone). `template` is the same model on the meta device,
-    unsharded; `block_names` its transformer blocks."""
+def init_by_name(template: nn.Module, block_names: set[str], seed: int, todo: dict[str, torch.Tensor]) -> None:
+    """Initialise the tensors named in `todo` (qualified name in `template` -> the model's tensor, parameters
+    and buffers; the others, loaded from a checkpoint, are left alone). `template` is the model on the meta
+    device, unsharded; `block_names` its transformer blocks."""
     rules = init_rules(template)
     for name, whole in units(template, block_names):
         module = template.get_submodule(name)

@@ -130,3 +130,32 @@ def check_compile(device_type: str) -> None:
     if not any(shutil.which(c) for c in names):
         raise ConfigError(f"config key 'train.compile': torch.compile on {device_type.upper()} needs {what} on "
                           f"PATH; install one or set train.compile=false")
+
+
+def base_dtype(model_cfg, strategy: str, world_size: int, amp_dtype: torch.dtype | None,
+               saved_dtype=lambda: None) -> torch.dtype | None:
+    """`model.base_dtype` -> the dtype a LoRA run stores its frozen base in (None: fp32, as every weight
+    of a full fine-tuning). `saved_dtype()` is the pretrained checkpoint's dtype (asked only for auto).
+
+    Under FSDP2 (sharded) a 16-bit base works with any compute dtype: each block is gathered in
+    train.precision's dtype (fp32: cast up one block at a time). Without sharding (ddp, one process) a
+    16-bit weight meets the fp32 activations of an fp32 run in every matmul, so there it needs 16-bit
+    autocast: auto then keeps fp32, and an explicit bf16/fp16 base is exit 2 naming train.precision=bf16
+    (casting each module's weights up when used would hold an fp32 copy of every weight the backward
+    needs: the memory a 16-bit base saves)."""
+    choice = model_cfg.base_dtype
+    if not model_cfg.lora.r:  # nothing frozen (config validation refuses a 16-bit choice)
+        return None
+    sharded = strategy == "fsdp" and world_size > 1
+    if choice == "auto":
+        saved = saved_dtype()
+        if saved not in (torch.bfloat16, torch.float16):
+            return None
+        return saved if sharded or amp_dtype is not None else None
+    dtype = DTYPES[choice]
+    if dtype is not None and not sharded and amp_dtype is None:
+        raise ConfigError(f"config key 'model.base_dtype': a {choice} base under "
+                          f"{'ddp' if world_size > 1 else 'one process'} needs 16-bit compute (its weights would "
+                          f"meet fp32 activations): set train.precision=bf16 (or fp16), or model.base_dtype=fp32, "
+                          f"or train.strategy=fsdp on several processes")
+    return dtype

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -23,6 +24,14 @@ from phalanx.model import precision
 from phalanx.model.init import init_by_name
 from phalanx.model.load import LoadReport, load_pretrained
 from phalanx.model.weights import pretrained_folder
+
+
+class Adapters(Protocol):
+    """What a Builder needs of adapters (model/lora.LoraAdapters)."""
+    def inject(self, model: nn.Module) -> nn.Module: ...
+    def is_adapter(self, name: str) -> bool: ...
+    def base_name(self, name: str) -> str: ...
+    def init(self, model: nn.Module, skeleton: nn.Module, seed: int, todo: dict[str, torch.Tensor]) -> None: ...
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -48,33 +57,67 @@ class Builder:
     shard: Callable[[nn.Module], None] | None = None
     prepare: Callable[[nn.Module], None] | None = None
     buffer_device: torch.device | None = None  # CPU offload: parameters stay on the CPU, buffers go here
+    frozen_dtype: torch.dtype | None = None  # with adapters: the frozen base stored in this dtype (None: fp32)
     # the last pretrained build's: what the run added to the checkpoint (a new head, grown embedding rows)
     report: LoadReport = field(default_factory=LoadReport, init=False)
 
-    def build(self, define: Callable[[], nn.Module], pretrained: str = "", mismatched: str = "error") -> nn.Module:
+    def build(self, define: Callable[[], nn.Module], pretrained: str = "", mismatched: str = "error",
+              adapters: Adapters | None = None) -> nn.Module:
         """`define()` makes the architecture (it runs on the meta device); `pretrained` = model.pretrained
         (empty: random init); `mismatched="init"`: a checkpoint tensor of another shape is initialised instead
-        of an error (a classifier head with another number of labels). A pretrained build that would leave a
-        parameter unloaded is a ConfigError (load.WeightPlan); what it adds is in `self.report`."""
+        of an error (a classifier head with another number of labels); `adapters` (LoRA): injected into the
+        skeleton before checkpointing and sharding, initialised by name after the base is loaded. A pretrained
+        build that would leave a base parameter unloaded is a ConfigError (load.WeightPlan); what it adds is
+        in `self.report`."""
         with torch.device("meta"):
             model = define()
         template = copy.deepcopy(model)  # unsharded and storage-free: the shapes init and loading read
+        if adapters:
+            model = adapters.inject(model)
+            _store_frozen(model, self.frozen_dtype)
+        skeleton = copy.deepcopy(model) if adapters else template  # the model's own names, unsharded
         if self.prepare:
             self.prepare(model)
         if self.shard:
             self.shard(model)
         model.to_empty(device=self.device)
-        retie(model, template)
+        retie(model, skeleton)
         todo = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        base = _base_tensors(todo, template, adapters)  # base model name -> this rank's tensor
         if pretrained:
-            loaded, self.report = load_pretrained(todo, template, pretrained_folder(pretrained), seed=self.seed,
+            loaded, self.report = load_pretrained(base, template, pretrained_folder(pretrained), seed=self.seed,
                                                   growable=_embedding_names(template), mismatched=mismatched)
-            todo = {k: v for k, v in todo.items() if k not in loaded}
+            base = {k: v for k, v in base.items() if k not in loaded}
         blocks = {id(b) for b in transformer_blocks(template)}
-        init_by_name(model, template, {n for n, m in template.named_modules() if id(m) in blocks}, self.seed, todo)
+        init_by_name(template, {n for n, m in template.named_modules() if id(m) in blocks}, self.seed, base)
+        if adapters:
+            adapters.init(model, skeleton, self.seed, {n: t for n, t in todo.items() if adapters.is_adapter(n)})
         if self.buffer_device is not None:
             _move_buffers(model, self.buffer_device)
         return model
+
+
+def _base_tensors(todo: dict[str, torch.Tensor], template: nn.Module, adapters: Adapters | None) -> dict:
+    """The model's tensors that are the base model's, by the base model's names (peft's names mapped back);
+    every other tensor must be an adapter's."""
+    if not adapters:
+        return todo
+    known = {*dict(template.named_parameters()), *dict(template.named_buffers())}
+    base = {adapters.base_name(n): t for n, t in todo.items() if not adapters.is_adapter(n)}
+    strays = sorted(set(base) - known)
+    if strays:  # a wrapper phalanx does not know the names of: loading would silently miss these
+        raise ValueError(f"adapted model tensors with no base-model name: {strays[:5]}")
+    return base
+
+
+def _store_frozen(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Frozen floating-point parameters in `dtype` (a 16-bit base under LoRA), on the meta device: the
+    shards are then allocated in it. Adapters (trainable) stay fp32."""
+    if dtype is None:
+        return
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(dtype)
 
 
 def _embedding_names(template: nn.Module) -> set[str]:

@@ -179,3 +179,8 @@ def checkpoint_dtype(folder: Path) -> torch.dtype:
         if ckpt.dtype(key).is_floating_point:
             counts[ckpt.dtype(key)] = counts.get(ckpt.dtype(key), 0) + math.prod(ckpt.shape(key))
     return max(counts, key=counts.get) if counts else torch.float32
+
+
+def pretrained_dtype(spec: str) -> torch.dtype | None:
+    """The dtype model.pretrained was saved in (checkpoint_dtype); None when training from scratch."""
+    return checkpoint_dtype(pretrained_folder(spec)) if spec else None

@@ -29,17 +29,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as tdist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from phalanx.core import dist
 from phalanx.core.config import TrainConfig
 from phalanx.core.runfolder import RunFolder
-from phalanx.model.build import tie_shared
+from phalanx.model.build import export_entries
+from phalanx.model.lora import Merged
 from phalanx.model.slices import local, rows
-from phalanx.model.weights import checkpoint_dtype, pretrained_folder
+from phalanx.model.weights import pretrained_dtype
 
 DEFAULT_SHARD_MB = TrainConfig().export_shard_mb
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -48,7 +50,7 @@ def export_dtype(choice: str, pretrained: str) -> torch.dtype:
     (its config.json's dtype, else its weights'), fp32 when training from scratch."""
     if choice != "auto":
         return DTYPES[choice]
-    return checkpoint_dtype(pretrained_folder(pretrained)) if pretrained else torch.float32
+    return pretrained_dtype(pretrained) or torch.float32
 
 
 def export_final(model: torch.nn.Module, task, folder: RunFolder, info: dist.DistInfo,
@@ -67,20 +69,14 @@ def export_final(model: torch.nn.Module, task, folder: RunFolder, info: dist.Dis
 
 
 def write_hf(model: torch.nn.Module, tokenizer, out: Path, *, info: dist.DistInfo,
-             shard_mb: float = DEFAULT_SHARD_MB, dtype: torch.dtype = torch.float32) -> None:
+             shard_mb: float = DEFAULT_SHARD_MB, dtype: torch.dtype = torch.float32, entries=None) -> None:
     """Collective: the model (FSDP2 shards included) in the Hugging Face layout, its floating-point
-    parameters in `dtype`, with the tokenizer."""
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    entries = [(name, t, _written_dtype(t, name in params, dtype)) for name, t in export_entries(model)]
-    if sum(_nbytes(t, d) for _, t, d in entries) <= shard_mb * 2**20:
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if info.is_main:
-            for name in full:  # one tensor at a time: the fp32 copy goes as its cast arrives
-                full[name] = full[name].to(_written_dtype(full[name], name in params, dtype))
-            model.save_pretrained(out, state_dict=tie_shared(full, model))
-            _save_configs(model, out, dtype)  # save_pretrained wrote the in-memory (fp32) dtype
-    else:
-        write_sharded(model, entries, Path(out), info, int(shard_mb * 2**20), dtype)
+    parameters in `dtype`, with the tokenizer. `entries`: (name, tensor, Merged or None) to write instead of
+    the model's own tensors (a LoRA export: the base's weights with the adapters merged in)."""
+    params = {id(p) for p in model.parameters()}
+    entries = entries if entries is not None else [(n, t, None) for n, t in export_entries(model)]
+    entries = [(name, t, _written_dtype(t, id(t) in params, dtype), merge) for name, t, merge in entries]
+    write_files(model, entries, Path(out), info, int(shard_mb * 2**20), dtype)
     if info.is_main:
         tokenizer.save_pretrained(out)
 
@@ -90,20 +86,13 @@ def _written_dtype(t: torch.Tensor, is_param: bool, dtype: torch.dtype) -> torch
     return dtype if is_param and t.is_floating_point() else t.dtype
 
 
-def export_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of what the export holds, in state-dict order: parameters and persistent buffers, a
-    tied tensor once under its first name (as save_pretrained writes it). Tensors may be FSDP2 shards."""
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # each shared tensor once
-    return [(name, tensors[name]) for name in model.state_dict() if name in tensors]
-
-
 def plan_files(entries: list[tuple], limit: int) -> list[list[tuple]]:
     """Consecutive tensors into files of at most `limit` bytes (a larger tensor gets a file of its own);
-    an entry is (name, tensor) or (name, tensor, the dtype it is written in)."""
+    an entry is (name, tensor) or (name, tensor, the dtype it is written in, ...)."""
     files: list[list] = [[]]
     size = 0
     for entry in entries:
-        n = _nbytes(*entry[1:])
+        n = _nbytes(*entry[1:3])
         if files[-1] and size + n > limit:
             files.append([])
             size = 0
@@ -112,31 +101,45 @@ def plan_files(entries: list[tuple], limit: int) -> list[list[tuple]]:
     return files
 
 
-def write_sharded(model: torch.nn.Module, entries, out: Path, info: dist.DistInfo, limit: int,
-                  dtype: torch.dtype = torch.float32) -> None:
-    """Collective. File k is written by rank k mod world; the gathers run in file order on every rank."""
-    from safetensors.torch import save_file  # lazy: only the sharded export needs it
+def write_files(model: torch.nn.Module, entries, out: Path, info: dist.DistInfo, limit: int,
+                dtype: torch.dtype = torch.float32) -> None:
+    """Collective. Everything up to `limit` bytes: one model.safetensors (rank 0); more: files of at most
+    `limit` bytes and the index, file k written by rank k mod world. The gathers run in file order on every
+    rank; a merged weight is gathered (with its adapters), merged in fp32 and cast on its writer only."""
+    from safetensors.torch import save_file  # lazy: only the export needs it
 
     files = plan_files(entries, limit)
     out.mkdir(parents=True, exist_ok=True)  # whichever rank writes first (the run folder is shared)
-    names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+    names = [SINGLE] if len(files) == 1 else \
+        [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = None
         for k, file in enumerate(files):
             writer = k % info.world_size
-            tensors = {name: gather_to(t, writer, info) for name, t, _ in file}
+            tensors = {name: _gather_entry(t, merge, d, writer, info) for name, t, d, merge in file}
             if info.rank == writer:
-                tensors = {name: tensors[name].to(d) for name, _, d in file}
                 if pending is not None:
                     pending.result()  # one file in memory while the next is gathered
                 pending = pool.submit(save_file, tensors, str(out / names[k]), metadata={"format": "pt"})
         if pending is not None:
             pending.result()
     if info.is_main:
-        weight_map = {name: names[k] for k, file in enumerate(files) for name, _, _ in file}
-        index = {"metadata": {"total_size": sum(_nbytes(t, d) for _, t, d in entries)}, "weight_map": weight_map}
-        (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        if len(files) > 1:
+            weight_map = {name: names[k] for k, file in enumerate(files) for name, *_ in file}
+            index = {"metadata": {"total_size": sum(_nbytes(t, d) for _, t, d, _ in entries)},
+                     "weight_map": weight_map}
+            (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         _save_configs(model, out, dtype)
+
+
+def _gather_entry(t: torch.Tensor, merge: Merged | None, dtype: torch.dtype, writer: int,
+                  info: dist.DistInfo) -> torch.Tensor | None:
+    """Collective: the written tensor on `writer` (None elsewhere)."""
+    full = gather_to(t, writer, info)
+    if merge is None:
+        return full if full is None else full.to(dtype)
+    adapters = [(a.full_tensor() if isinstance(a, DTensor) else a).detach().float().cpu() for a in merge.adapters]
+    return None if full is None else merge.merge(full.float(), adapters).to(dtype).contiguous()
 
 
 def gather_to(t: torch.Tensor, writer: int, info: dist.DistInfo) -> torch.Tensor | None:

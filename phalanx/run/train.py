@@ -15,6 +15,7 @@ import math
 import time
 import traceback
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -33,10 +34,11 @@ from phalanx.core.runfolder import RunFolder, write_json
 from phalanx.data.cache import cache_root
 from phalanx.data.samplers import GlobalBatchSampler, order_version
 from phalanx.model import precision
-from phalanx.model.build import attention_in_use, count_parameters, model_builder, quiet_transformers, wrap
+from phalanx.model.build import count_parameters, model_builder, quiet_transformers, wrap
 from phalanx.model.identity import base_identity
 from phalanx.model.lora import trainable_parameters
 from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl
+from phalanx.model.weights import pretrained_dtype
 from phalanx.run.batches import BatchSource
 from phalanx.run.checkpoint import CheckpointDict, Checkpointer, resolve_resume
 from phalanx.run.clock import BACKWARD, DATA, FORWARD, SYNC, StepClock, StepMarks
@@ -44,6 +46,7 @@ from phalanx.run.evaluate import evaluate
 from phalanx.run.export import export_dtype, export_final
 from phalanx.run.monitor import Monitor
 from phalanx.run.probe import Probe
+from phalanx.run.startline import start_line
 from phalanx.run.state import PreemptionFlag, StopTraining, TrainState
 from phalanx.run.stateful import ModelState, OptimizerState, RNGState
 from phalanx.run.telemetry import Telemetry
@@ -85,7 +88,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     task = get_task(cfg.task)(cfg, info)
     task.open_data()
     tr = build_trainee(cfg, info, task)
-    _say(info, _start_line(cfg, info, tr, accum))
+    _say(info, start_line(cfg, info, tr, accum))
     state = TrainState(data_order=order_version(cfg.data.order, cfg.data.store_url))  # a resume keeps its own
     checkpointer, saved = Checkpointer(folder.root, info, t.keep_checkpoints), checkpoint_dict(tr, state)
     resumed = _resume(cfg, checkpointer, saved, state, info)
@@ -140,6 +143,7 @@ class Trainee:
     autocast: object
     amp_dtype: torch.dtype | None
     added: str = ""  # what a pretrained build added to the checkpoint (a new head, grown rows), for the start line
+    frozen_dtype: torch.dtype | None = None  # LoRA: the dtype the frozen base is stored in (None: fp32)
 
 
 def build_trainee(cfg: Config, info: dist.DistInfo, task) -> Trainee:
@@ -148,15 +152,17 @@ def build_trainee(cfg: Config, info: dist.DistInfo, task) -> Trainee:
     amp_dtype, warnings = precision.check_precision(t.precision, info.device.type)
     for warning in warnings:
         _say(info, f"phalanx: warning: {warning}")
-    torch.manual_seed(t.seed)  # LoRA's adapters come from the global generator; the model is initialised by name
-    builder = model_builder(t, info.device, info.world_size, amp_dtype)
+    torch.manual_seed(t.seed)  # a defined global stream (the model and its adapters are initialised by name)
+    frozen_dtype = precision.base_dtype(cfg.model, t.strategy, info.world_size, amp_dtype,
+                                        partial(pretrained_dtype, cfg.model.pretrained))
+    builder = model_builder(t, info.device, info.world_size, amp_dtype, frozen_dtype)
     model = task.build_model(builder)
     wrapped = wrap(model, t.strategy, info)
     return Trainee(model=model, wrapped=wrapped, forward=torch.compile(wrapped) if t.compile else wrapped,
                    optimizer=build_optimizer(model, t), schedule=WarmupCosine(t),
                    scaler=precision.make_scaler(info.device, amp_dtype),
                    autocast=precision.autocast_factory(info.device, amp_dtype), amp_dtype=amp_dtype,
-                   added=builder.report.clause())
+                   added=builder.report.clause(), frozen_dtype=frozen_dtype)
 
 
 def checkpoint_dict(tr: Trainee, state: TrainState) -> CheckpointDict:
@@ -170,20 +176,6 @@ def checkpoint_dict(tr: Trainee, state: TrainState) -> CheckpointDict:
         sharded={"model": ModelState(tr.model, trainable_only=frozen), "optim": optim},
         shared={"train_state": state, "schedule": tr.schedule, "scaler": tr.scaler, "param_groups": optim.groups},
         per_rank={"rng": RNGState()})  # dropout is seeded per micro-batch; other streams continue per rank
-
-
-def _start_line(cfg: Config, info: dist.DistInfo, tr: Trainee, accum: int) -> str:
-    t = cfg.train
-    attention = attention_in_use(tr.model)  # what runs: model.attn_implementation, or the model's default
-    auto = " (auto)" if cfg.model.attn_implementation == "auto" else ""
-    return (f"phalanx: task {cfg.task}, {count_parameters(tr.model) / 1e6:.2f}M parameters, world size "
-            f"{info.world_size} ({info.backend}, {torch.get_num_threads()} threads/process), global batch "
-            f"{t.global_batch_size} = micro {t.micro_batch_size} x world {info.world_size} x accum {accum}, "
-            f"precision {precision.describe(t.precision, tr.amp_dtype)}, strategy "
-            f"{t.strategy if info.world_size > 1 else 'single'}, optimizer AdamW {optimizer_impl(tr.optimizer)}"
-            + (f", attention {attention}{auto}" if attention else "")
-            + (f", tf32 {'on' if t.tf32 else 'off'}" if info.device.type == "cuda" else "")
-            + (f", {tr.added}" if tr.added else ""))
 
 
 def _resume(cfg: Config, checkpointer: Checkpointer, saved: CheckpointDict, state: TrainState, info) -> dict | None:

@@ -19,12 +19,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from phalanx.core import dist
 from phalanx.core.config import Config, ConfigError, hub_name
 from phalanx.data import chat_store, prepare
 from phalanx.data import tokenizer as toks
 from phalanx.data.samplers import length_grouped_order, shuffled_order
-from phalanx.model.build import attention_in_use, causal_lm
-from phalanx.model.lora import apply_lora, is_lora
+from phalanx.model.build import attention_in_use, causal_lm, export_entries
+from phalanx.model import precision
+from phalanx.model.lora import LoraAdapters, adapter_state, is_lora, merged_entries
 from phalanx.model.shard import Builder
 from phalanx.tasks.base import TaskBase
 
@@ -98,9 +100,10 @@ class ChatTask(TaskBase):
         if positions and bs > positions:
             raise ConfigError(f"config key 'model.block_size': {bs} is more than the {positions} positions of "
                               f"'{cfg.model.pretrained}'; lower it to {positions} or less")
-        if cfg.model.lora.r and cfg.train.strategy == "fsdp":
-            raise ConfigError("config key 'model.lora.r': LoRA runs with train.strategy=ddp (its adapters are small: "
-                              "there is nothing to shard); use ddp, or full fine-tuning (model.lora.r=0) with fsdp")
+        # a 16-bit frozen base needs 16-bit compute without sharding (worker: the real world size)
+        device = "cuda" if dist.pick_backend(cfg.dist.backend) == "nccl" else "cpu"
+        amp_dtype, _ = precision.check_precision(cfg.train.precision, device)
+        precision.base_dtype(cfg.model, cfg.train.strategy, 2, amp_dtype)
 
     @classmethod
     def check_prepared(cls, cfg: Config) -> None:
@@ -146,15 +149,17 @@ class ChatTask(TaskBase):
         return model
 
     def build_model(self, builder: Builder | None = None) -> torch.nn.Module:
-        """The model with its weights (see TaskBase.build_model), then LoRA's adapters (peft draws them from
-        torch's global generator, which the trainer seeds). Under LoRA the embedding rows of the template's
-        tokens train too: those grown for it, and those the base has but may never have trained (a base
-        model's end-of-turn token), which would otherwise stay frozen."""
-        model = super().build_model(builder)
-        if self.cfg.model.lora.r:
-            grown = set(range(self.base_vocab, len(self.tokenizer)))
-            model = apply_lora(model, self.cfg.model.lora, sorted(grown | set(self.data.template_tokens)))
-        return model
+        """The model with its weights (see TaskBase.build_model); under LoRA with peft's adapters, injected
+        into the skeleton before it is sharded and initialised by (seed, name) (model/lora.py). Under LoRA
+        the embedding rows of the template's tokens train too: those grown for it, and those the base has
+        but may never have trained (a base model's end-of-turn token), which would otherwise stay frozen."""
+        adapters = LoraAdapters(self.cfg.model.lora, self._adapted_tokens) if self.cfg.model.lora.r else None
+        return (builder or Builder(seed=self.cfg.train.seed)).build(self.define_model, self.cfg.model.pretrained,
+                                                                     mismatched=self.MISMATCHED, adapters=adapters)
+
+    def _adapted_tokens(self) -> list[int]:
+        """The template's token ids (grown for it, or its special tokens): known once define_model ran."""
+        return sorted(set(range(self.base_vocab, len(self.tokenizer))) | set(self.data.template_tokens))
 
     def collate(self, dataset: chat_store.ChatSet, indices) -> dict:
         samples = [dataset.segments(int(i)) for i in indices]
@@ -201,16 +206,22 @@ class ChatTask(TaskBase):
     # ---- outputs --------------------------------------------------------------------------------
     def export(self, model, out, write) -> None:
         """RUN/final: the model (LoRA: merged into the base) with the tokenizer and its chat template, and a
-        generation config that stops at the end of the assistant's turn; LoRA's adapter in final/adapter."""
+        generation config that stops at the end of the assistant's turn; LoRA's adapter in final/adapter.
+        Under LoRA every rank's part of every adapter goes into final/adapter (gathered: small), and the
+        merged model is written file by file by all ranks, each weight merged in fp32 on its writer (the
+        model itself is left as it trained)."""
         eos = self.tokenizer.eos_token_id
         stops = [*self.data.end_of_turn, *([eos] if eos is not None else [])]
+        entries = None
         if is_lora(model):
+            adapter = adapter_state(model)
             if self.info.is_main:
-                model.save_pretrained(Path(out) / "adapter")
-            model = model.merge_and_unload()
+                model.save_pretrained(Path(out) / "adapter", state_dict=adapter)
+            entries = merged_entries(model, export_entries(model.get_base_model()))
+            model = model.get_base_model()
         model.generation_config.eos_token_id = list(dict.fromkeys(stops))
         model.generation_config.pad_token_id = self.tokenizer.pad_token_id or self.tokenizer.eos_token_id
-        write(model, self.tokenizer, out)
+        write(model, self.tokenizer, out, entries=entries)
 
     def next_commands(self, run_dir) -> list[str]:
         return [*super().next_commands(run_dir), f'phalanx chat {run_dir}']

@@ -91,3 +91,30 @@ def test_the_plan_is_within_15_percent_of_a_measured_run(tmp_path, cache_dir):
                     .split("about ")[1].split(" GB")[0]) * GB
     measured = max(max(m["ranks/host_peak_mb"]) for m in metrics(run) if "ranks/host_peak_mb" in m) * 2 ** 20
     assert abs(planned / measured - 1) < 0.15, (planned / GB, measured / GB)
+
+
+def test_lora_plans_the_base_in_its_stored_dtype_and_suggests_fsdp(tmp_path):
+    """A bf16 base under LoRA: 2 bytes per frozen parameter (4 per adapter), sharded under fsdp; a LoRA run
+    that does not fit under ddp is told to use fsdp (which shards the frozen base)."""
+    import torch
+    from transformers import GPT2Config
+
+    # the plan reads the config alone (its dtype says how the weights were saved): no weights written
+    GPT2Config(vocab_size=4096, n_positions=128, n_embd=2048, n_layer=12, n_head=16, bos_token_id=0, eos_token_id=0,
+               dtype="bfloat16").save_pretrained(tmp_path / "base")
+    lora = cfg_of("task=chat", f"model.pretrained={tmp_path / 'base'}", "model.lora.r=8", "train.precision=bf16",
+                  "train.activation_checkpointing=full",
+                  "model.block_size=128")
+    s = memplan.shapes(lora)
+    assert s.saved_dtype == torch.bfloat16 and 0 < s.trainable < 0.05 * s.parameters
+    ddp = memplan.estimate(lora, s, 4, "cpu", 100 * GB)
+    fsdp_cfg = dataclasses.replace(lora, train=dataclasses.replace(lora.train, strategy="fsdp"))
+    fsdp = memplan.estimate(fsdp_cfg, s, 4, "cpu", 100 * GB)
+    frozen = s.parameters - s.trainable
+    assert ddp.weights == pytest.approx(2 * frozen + 4 * s.trainable)
+    assert fsdp.weights == pytest.approx((2 * frozen + 4 * s.trainable) / 4 + 8 * s.largest_unit)
+    fp32 = dataclasses.replace(lora, model=dataclasses.replace(lora.model, base_dtype="fp32"))
+    assert memplan.estimate(fp32, s, 4, "cpu", 100 * GB).weights == pytest.approx(4 * s.parameters)
+    room = (ddp.peak + fsdp.peak) / 2  # fits sharded, not whole
+    assert fsdp.peak < room < ddp.peak
+    assert memplan.suggest(lora, s, 4, "cpu", room) == "train.strategy=fsdp"

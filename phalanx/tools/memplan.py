@@ -4,7 +4,9 @@ stops (train.memory_check=error, exit 2) or warns, naming the smallest change th
 
 Per rank, for AdamW in fp32 master weights (P parameters, T of them trainable, S = the shard count: the
 world size under FSDP, else 1):
-    weights       4 P / S                      (FSDP: + the largest unit all-gathered, twice: prefetch)
+    weights       (4 T + b (P - T)) / S        b = the bytes of the frozen base's stored dtype (LoRA:
+                                               model.base_dtype, e.g. 2 for a bf16 base; else 4); FSDP: + the
+                                               largest unit all-gathered, twice (prefetch)
     gradients     4 T / S
     optimizer     8 T / S                      (exp_avg, exp_avg_sq)
     extra         k · 4 T / S                  gradient-sized memory on top: at the optimizer step (its
@@ -30,12 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
 
 from phalanx.core.config import Config, ConfigError, check_world, hub_name
 from phalanx.core.registry import TASKS
+from phalanx.model import precision
 from phalanx.model.checkpointing import checkpointed_blocks
 
 GB = 2 ** 30
@@ -58,6 +62,7 @@ class Shapes:
     hidden: int
     vocab: int
     largest_unit: int    # parameters of the largest FSDP unit: a block, or the root (embeddings, head)
+    saved_dtype: torch.dtype | None = None  # the pretrained checkpoint's dtype (a LoRA base may stay in it)
 
 
 @dataclass
@@ -107,7 +112,15 @@ def shapes(cfg: Config) -> Shapes:
     root = total - sum(count_parameters(b) for b in blocks)
     return Shapes(arch=mc.model_type, parameters=total, trainable=_trainable(model, cfg, total),
                   layers=mc.num_hidden_layers, hidden=mc.hidden_size, vocab=mc.vocab_size,
-                  largest_unit=max(per_block, root))
+                  largest_unit=max(per_block, root), saved_dtype=_saved_dtype(cfg))
+
+
+def _saved_dtype(cfg: Config) -> torch.dtype | None:
+    """A local pretrained folder's dtype (its config.json, else its weights' headers); None otherwise."""
+    from phalanx.model.weights import checkpoint_dtype
+
+    folder = Path(hub_name(cfg.model.pretrained)) if cfg.model.pretrained else None
+    return checkpoint_dtype(folder) if folder and folder.is_dir() else None
 
 
 def _trainable(model, cfg: Config, total: int) -> int:
@@ -137,7 +150,11 @@ def estimate(cfg: Config, s: Shapes, world: int, device: str, available: float) 
     kept = s.layers - checkpointed
     activations = (4 * checkpointed + per_token * (kept + (1 if checkpointed else 0))) * tokens * s.hidden
     logits = 12.0 * tokens * s.vocab if TASKS[cfg.task].token_logits else 0.0
-    weights = 4.0 * s.parameters / shard + (2 * 4.0 * s.largest_unit if shard > 1 else 0.0)
+    # LoRA: the frozen base in its stored dtype (model.base_dtype), the adapters fp32
+    frozen = precision.base_dtype(cfg.model, t.strategy, world, _compute_dtype(t.precision, device),
+                                  lambda: s.saved_dtype)
+    stored = 4.0 * s.trainable + (frozen.itemsize if frozen else 4.0) * (s.parameters - s.trainable)
+    weights = stored / shard + (2 * 4.0 * s.largest_unit if shard > 1 else 0.0)
     gradients, optimizer = 4.0 * s.trainable / shard, 8.0 * s.trainable / shard
     buckets = gradients if t.strategy == "ddp" and world > 1 else 0.0  # DDP keeps its gradient buckets
     runtime = RUNTIME["cuda" if device == "cuda" else "cpu"]
@@ -146,6 +163,13 @@ def estimate(cfg: Config, s: Shapes, world: int, device: str, available: float) 
     peak = runtime + max(backward, step)
     return Plan(weights, gradients, optimizer, activations, logits, runtime, peak, available,
                 "GPU" if device == "cuda" else "process")
+
+
+def _compute_dtype(requested: str, device: str) -> torch.dtype | None:
+    try:
+        return precision.check_precision(requested, device)[0]
+    except ConfigError:  # the launcher says why; the plan goes on as fp32
+        return None
 
 
 def _sequence(cfg: Config) -> int:
@@ -168,7 +192,7 @@ def suggest(cfg: Config, s: Shapes, world: int, device: str, avail: float) -> st
     options = []
     if t.activation_checkpointing == "none":
         options.append(("train.activation_checkpointing=full", {"activation_checkpointing": "full"}))
-    if t.strategy == "ddp" and world > 1 and not cfg.model.lora.r:
+    if t.strategy == "ddp" and world > 1:  # LoRA too: what FSDP2 shards then is the frozen base
         options.append(("train.strategy=fsdp", {"strategy": "fsdp"}))
     m = t.micro_batch_size // 2
     while m >= 1:

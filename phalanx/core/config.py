@@ -70,7 +70,12 @@ class DataConfig:
                         "training text", path=True)
     vocab_size: int = _f(4096, "vocabulary size of a tokenizer trained on the data", min=256, max=1_000_000)
     max_length: int = _f(128, "classify: truncate sequences to this many tokens", min=8, max=65536)
-    group_by_length: bool = _f(True, "classify: form batches of similar length (less padding)")
+    group_by_length: str = _f("auto", "classify, and chat with data.packing=false: put sequences of similar "
+                              "length into the same optimizer step (less padding, faster steps, but each step "
+                              "sees one length band); auto = the task's choice by held-out quality at equal "
+                              "steps (bench/order_quality.py): true for classify (accuracy unchanged, ~1/5 of "
+                              "the padding), false for chat (length goes with content there: grouped steps "
+                              "learned less)", choices=["auto", "true", "false"])
     cache_dir: str = _f("", "token cache folder; empty = $XDG_CACHE_HOME/phalanx or ~/.cache/phalanx. With "
                         "data.store_url: a local folder, the node-local cache of the remote store")
     store_url: str = _f("", "where prepared stores and their tokenizer are kept: an object-storage URL "
@@ -376,6 +381,8 @@ def _build(cls, raw: dict, prefix: str):
         tp, key = hints[f.name], prefix + f.name
         if dataclasses.is_dataclass(tp):
             kwargs[f.name] = _build(tp, raw[f.name] if raw[f.name] is not None else {}, key + ".")
+        elif isinstance(raw[f.name], bool) and "true" in (f.metadata.get("choices") or ()):
+            kwargs[f.name] = "true" if raw[f.name] else "false"  # YAML's true/false for an auto|true|false key
         else:
             kwargs[f.name] = _coerce(raw[f.name], tp, key)
     return cls(**kwargs)
@@ -508,11 +515,34 @@ def save_yaml(cfg: Config, path: str | os.PathLike) -> None:
     write_text(Path(path), yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
+def group_by_length(cfg: Config) -> bool:
+    """data.group_by_length resolved for the config's task (auto = the task's own choice)."""
+    return bool(_grouping(cfg.task, cfg.data.group_by_length))
+
+
+def _grouping(task: str, value) -> bool | None:
+    """The length grouping a task trains with; None where the key does not apply (lm). `value` as
+    configured (auto|true|false) or as checkpoints before the auto choice recorded it (a bool)."""
+    default = TASKS[task].group_by_length if task in TASKS else None
+    if default is None:
+        return None
+    return default if value == "auto" else value in (True, "true")
+
+
 def relevant_subset(cfg: Config) -> dict:
     flat = {}
     for key, _, value in _walk(cfg):
         if any(key == k or key.startswith(k + ".") for k in TRAINING_RELEVANT):
             flat[key] = value
+    return comparable(flat)
+
+
+def comparable(flat: dict) -> dict:
+    """Training-relevant settings as they act: data.group_by_length resolved for the task (so a checkpoint
+    that recorded `true` compares equal to today's `auto` where that means true)."""
+    key = "data.group_by_length"
+    if key in flat:
+        flat = {**flat, key: _grouping(flat.get("task", "lm"), flat[key])}
     return flat
 
 

@@ -21,15 +21,19 @@ class TaskSpec:
     uses: tuple[str, ...]           # commands that use a finished run of this task (RUN/final)
     token_logits: bool              # the model outputs vocabulary logits at every position (memory plan)
     example: str                    # the shipped example config (the README's and the tests' starting point)
+    # data.group_by_length=auto for this task, chosen by held-out quality at equal steps as well as speed
+    # (bench/order_quality.py); None: its batches are all as long (lm), the key does not apply
+    group_by_length: bool | None = None
 
 
 TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
     TaskSpec("lm", "phalanx.tasks.lm:LMTask", "causal language modelling on packed token blocks",
              ("eval/loss", "eval/ppl"), ("generate",), True, "examples/shakespeare.yaml"),
     TaskSpec("classify", "phalanx.tasks.classify:ClassifyTask", "text (or text-pair) classification",
-             ("eval/loss", "eval/accuracy", "eval/macro_f1"), ("predict",), False, "examples/sst2.yaml"),
+             ("eval/loss", "eval/accuracy", "eval/macro_f1"), ("predict",), False, "examples/sst2.yaml", True),
     TaskSpec("chat", "phalanx.tasks.chat:ChatTask", "supervised fine-tuning of a causal LM on conversations",
-             ("eval/loss", "eval/ppl", "eval/token_accuracy"), ("generate", "chat"), True, "examples/chat.yaml"),
+             ("eval/loss", "eval/ppl", "eval/token_accuracy"), ("generate", "chat"), True, "examples/chat.yaml",
+             False),
 )}
 
 # Every command that uses a finished run, and what it does (for the error naming the right one).

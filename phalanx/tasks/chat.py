@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.core import dist
-from phalanx.core.config import Config, ConfigError, hub_name
+from phalanx.core.config import Config, ConfigError, group_by_length, hub_name
 from phalanx.data import chat_store, prepare
 from phalanx.data import tokenizer as toks
 from phalanx.data.samplers import length_grouped_order, shuffled_order
@@ -130,7 +130,7 @@ class ChatTask(TaskBase):
     def train_order(self, data_order: int):
         """Packed rows (all as wide) and data.group_by_length=false: a plain shuffle; else length-grouped."""
         t = self.cfg.train
-        if self.train_set.lengths is None or not self.cfg.data.group_by_length:
+        if self.train_set.lengths is None or not group_by_length(self.cfg):
             return shuffled_order(len(self.train_set), lazy=True)
         return length_grouped_order(self.train_set.lengths, t.micro_batch_size, unit=t.global_batch_size)
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from phalanx.core.config import Config, ConfigError, hub_name
+from phalanx.core.config import Config, ConfigError, group_by_length, hub_name
 from phalanx.data import classify_inputs, prepare
 from phalanx.data import tokenizer as toks
 from phalanx.data.classify_store import CLASSIFY, EncodedSet
@@ -81,7 +81,7 @@ class ClassifyTask(TaskBase):
     def train_order(self, data_order: int):
         """Length-grouped: whole global batches of similar lengths (data order 2), so every rank's share of
         a step takes about as long; data order 1 (older checkpoints) grouped single micro-batches."""
-        if not self.cfg.data.group_by_length:
+        if not group_by_length(self.cfg):
             return shuffled_order(len(self.train_set), lazy=data_order >= 3)
         t = self.cfg.train
         return length_grouped_order(self.train_set.lengths, t.micro_batch_size,

@@ -31,6 +31,7 @@ from phalanx.core.config import (
     Config,
     ConfigError,
     check_world,
+    comparable,
     load_config,
     relevant_subset,
     save_yaml,
@@ -108,7 +109,7 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
         raise ConfigError(f"resume: {e}") from None
     if meta and not force_resume:
         # A key the checkpoint predates counts as its default (old checkpoints stay resumable).
-        saved, now = {**relevant_subset(Config()), **meta.get("config", {})}, relevant_subset(cfg)
+        saved, now = comparable({**relevant_subset(Config()), **meta.get("config", {})}), relevant_subset(cfg)
         changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         if changed:
             raise ConfigError(f"checkpoint '{path}' was made with different training settings: "

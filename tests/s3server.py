@@ -26,6 +26,9 @@ class S3Server:
         self.env = {"AWS_ENDPOINT_URL": self.endpoint, **CREDENTIALS}
         self.saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)
+        import s3fs
+
+        self.fs = s3fs.S3FileSystem(endpoint_url=self.endpoint, skip_instance_cache=True)  # the tests' own client
         return self
 
     def __exit__(self, *exc) -> None:
@@ -35,12 +38,6 @@ class S3Server:
             else:
                 os.environ[key] = value
         self.server.stop()
-
-    @property
-    def fs(self):
-        import s3fs
-
-        return s3fs.S3FileSystem(endpoint_url=self.endpoint, skip_instance_cache=True)
 
     def bucket(self, name: str) -> str:
         """A new bucket; its URL."""

@@ -14,13 +14,13 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import REFERENCE, SHAKESPEARE, final_params, lm_args, phalanx, train_losses
+from conftest import REFERENCE, REPO, SHAKESPEARE, final_params, lm_args, phalanx, train_losses
 from s3server import S3Server
 from test_prepare import tokenizer_dir
 
 from phalanx.core.config import ConfigError, load_config
 from phalanx.data import prepare as pipeline
-from phalanx.data import store
+from phalanx.data import shard_cache, store
 from phalanx.data.lm_store import LM
 
 LINES = [line for line in SHAKESPEARE.read_text(encoding="utf-8").splitlines() if line.strip()][:6000]
@@ -147,3 +147,126 @@ def same_run(run: Path, ref: Path, rel: float = 0.0) -> None:
     p, q = final_params(run), final_params(ref)
     for name in q:
         torch.testing.assert_close(p[name], q[name], rtol=rel, atol=rel * 10, msg=name)
+
+
+# ---- the node cache: verified downloads, a killed downloader, the lookahead ------------------------
+def remote_store(s3, tmp_path: Path, tok: str, bucket: str) -> tuple:
+    """A small LM store prepared into S3 (in this process); its config, the local control store's ids."""
+    url = s3.bucket(bucket)
+    cfg = lm_cfg(str(SHAKESPEARE), tmp_path / "prep", tok, f"data.store_url={url}/stores")
+    summary = pipeline.prepare(cfg, LM, 1, progress=False)["train"]
+    control = pipeline.prepare(lm_cfg(str(SHAKESPEARE), tmp_path / "control", tok), LM, 1, progress=False)["train"]
+    return cfg, summary, stored(control)[0]
+
+
+class FlakyOnce:
+    """The real S3 filesystem, with the bytes of the first file it opens damaged (a transient fault)."""
+
+    def __init__(self, fs):
+        self.fs, self.opens = fs, 0
+
+    def open(self, path, mode="rb", **kw):
+        self.opens += 1
+        data = self.fs.cat_file(path)
+        return io.BytesIO(data[:-1] + bytes([data[-1] ^ 1]) if self.opens == 1 else data)
+
+
+def test_a_damaged_shard_is_fetched_again_or_refused_never_read(s3, tok, tmp_path):
+    cfg, summary, ids = remote_store(s3, tmp_path, tok, "damaged-store")
+    index = json.loads(s3.fs.cat_file(f"{summary['folder']}/index.json"))
+    shard = index["shards"][3]
+    name, obj = f"{shard['fingerprint']}.bin", f"{summary['folder']}/{shard['fingerprint']}.bin"
+    good = s3.fs.cat_file(obj)
+    flaky, target = FlakyOnce(s3.fs), tmp_path / "one.bin"
+    shard_cache.fetch(flaky, obj, target, len(good), shard["sha256"]["ids"])  # damaged once: fetched again
+    assert flaky.opens == 2 and target.read_bytes() == good
+    s3.put(obj, good[::-1])  # the object itself damaged: same size, other bytes
+    lo = sum(s["tokens"] for s in index["shards"][:3])
+    worker = lm_cfg(str(SHAKESPEARE), tmp_path / "node", tok, f"data.store_url={cfg.data.store_url}")
+    with pytest.raises(shard_cache.DownloadError, match="do not match the store's index"):
+        pipeline.open_prepared(worker, LM).train.slice(lo, lo + 10)
+    folder = next((tmp_path / "node" / "remote").glob("store-*"))
+    assert not (folder / name).exists() and not list(folder.glob(".*.tmp"))  # nothing of it kept
+    s3.put(obj, good)  # control: the intact object is read, as the local store has it
+    again = pipeline.open_prepared(worker, LM).train
+    assert np.array_equal(again.slice(lo, lo + 5000), ids[lo:lo + 5000])
+
+
+def test_a_killed_downloader_leaves_nothing_to_wait_on(s3, tmp_path):
+    """SIGKILL mid-download: its lock dies with it, the next process leads at once and removes the
+    partial file, and the file it fetches is whole."""
+    import hashlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = os.urandom(48 << 20)
+    url = s3.bucket("big")
+    s3.put(f"{url}/big.bin", data)
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    files = {"big.bin": (len(data), hashlib.sha256(data).hexdigest())}
+    shard_cache.write_marker(folder, url, 0, files)
+    code = f"from phalanx.data import shard_cache; shard_cache.attached({str(folder)!r}).open('big.bin')"
+    child = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ))
+    deadline = time.time() + 60
+    while not list(folder.glob(".big.bin.*.tmp")) and time.time() < deadline and child.poll() is None:
+        time.sleep(0.002)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert list(folder.glob(".big.bin.*.tmp")) and not (folder / "big.bin").exists()  # killed mid-download
+    t0 = time.time()
+    fd = shard_cache.attached(folder).open("big.bin")
+    os.close(fd)
+    assert time.time() - t0 < 30 and not list(folder.glob(".*.tmp"))
+    assert hashlib.sha256((folder / "big.bin").read_bytes()).hexdigest() == files["big.bin"][1]
+
+
+def test_a_cache_smaller_than_the_lookahead_is_exit_2_at_start(s3, tmp_path, cache_dir):
+    url = s3.bucket("tiny-cache")
+    run = tmp_path / "run"
+    proc = phalanx(*remote_run(run, tmp_path / "c", url), "data.cache_limit_gb=0.0002", "--nproc-per-node", 2,
+                   timeout=180)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()
+    assert len(line) == 1 and "config key 'data.cache_limit_gb': 0.0002 GB cannot hold the lookahead" in line[0]
+    assert "the 11 largest shards" in line[0] and "raise it to at least 0.000" in line[0]
+    assert not (run / "metrics.jsonl").exists()  # no worker started
+
+
+# ---- several nodes ----------------------------------------------------------------------------------
+def objects(s3, prefix: str) -> dict[str, bytes]:
+    """Every object under a prefix by its name there; an index without its times and summary."""
+    out = {}
+    for path in s3.fs.find(prefix):
+        data = s3.fs.cat_file(path)
+        if path.endswith("/index.json"):
+            index = json.loads(data)
+            data = json.dumps({k: v for k, v in index.items() if k not in ("created", "summary")}).encode()
+        out[path[len(prefix.removeprefix("s3://")):]] = data
+    return out
+
+
+def test_two_launchers_split_the_preparation_and_make_the_one_node_store(s3, tok, tmp_path):
+    """Two `phalanx prepare` at once (two nodes: a cache each, one store): each encodes a share of the
+    pieces (claimed in the store), and the store equals one node's preparation byte for byte."""
+    import subprocess
+    import sys
+
+    url = s3.bucket("split")
+    common = ["prepare", f"data.train={SHAKESPEARE}", f"data.tokenizer={tok}", "data.shard_mb=0.01",
+              "data.val_fraction=0", "--workers", "1", "--quiet"]
+    procs = [subprocess.Popen([sys.executable, "-m", "phalanx", *common, f"data.store_url={url}/two",
+                               f"data.cache_dir={tmp_path / f'node{i}'}"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    shares = [int(out.split("encoded_here ")[1].split(";")[0]) for out, _ in outputs]
+    one = phalanx(*common, f"data.store_url={url}/one", f"data.cache_dir={tmp_path / 'single'}", check=True)
+    shards = int(one.stdout.split(" shard(s)")[0].rsplit(" ", 1)[1])
+    assert sum(shares) == shards > 50 and min(shares) > 0, shares  # split, nothing prepared twice
+    two, single = objects(s3, f"{url}/two"), objects(s3, f"{url}/one")
+    assert two.keys() == single.keys() and len(two) > 2 * shards
+    assert all(two[k] == single[k] for k in two)

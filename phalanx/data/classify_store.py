@@ -37,6 +37,14 @@ class EncodedSet:
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.ids[lo:hi], self.types[lo:hi]
 
+    def token_span(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [lo, hi) of each example (the store's shards it touches: samplers.ShardPlan)."""
+        i = np.asarray(indices, dtype=np.int64)
+        return np.asarray(self.offsets[i], dtype=np.int64), np.asarray(self.offsets[i + 1], dtype=np.int64)
+
+    def stores(self) -> list:
+        return [s for s in (self.ids, self.types) if isinstance(s, store.TokenStore)]
+
     def rows(self, lo: int, hi: int) -> EncodedSet:
         """Examples [lo, hi) (offsets stay positions in the same streams)."""
         return EncodedSet(self.ids, self.types, self.offsets[lo:hi + 1], self.labels[lo:hi])

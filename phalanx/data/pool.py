@@ -145,8 +145,9 @@ class Encoding:
         self._reported = value
 
     def _wait_for_others(self) -> None:
-        """Pieces another preparation claimed: wait for their shards, or take them over if it died."""
-        said = False
+        """Pieces another preparation claimed: wait for their shards, or take them over if it died (asked
+        every few seconds of a remote store: a listing a second tells what is done)."""
+        said, asked = False, 0.0
         while self.others:
             for i, piece in list(self.others.items()):
                 record = self.place.record(piece.fingerprint, max_age=1.0)
@@ -154,7 +155,9 @@ class Encoding:
                     self.records[i] = record
                     self.bar.update(piece.size)
                     del self.others[i]
-                elif self.place.claim(piece.fingerprint):
+            for i, piece in list(self.others.items()) if time.monotonic() - asked > 5 * self.place.remote else ():
+                asked = time.monotonic()
+                if self.place.claim(piece.fingerprint):
                     del self.others[i]
                     self.mine.add(piece.fingerprint)
                     self._done(i, self.work(piece))
@@ -163,4 +166,4 @@ class Encoding:
                 print(f"phalanx: waiting for {len(self.others)} piece(s) another preparation is encoding "
                       f"into {self.place.url or self.place.local}", file=sys.stderr, flush=True)
                 said = True
-            time.sleep(0.2 if self.others else 0)
+            time.sleep((1.0 if self.place.remote else 0.2) if self.others else 0)

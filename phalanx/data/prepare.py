@@ -209,7 +209,8 @@ def build_split(cfg: Config, fmt: RecordFormat, split: Split, tok_dir: Path, how
     place, identity = store_place(cfg, fmt, split, tok_dir), fmt.identity(cfg, split)  # before reading
     folder = place.local
     folder.mkdir(parents=True, exist_ok=True)
-    place.remove_index()  # an older data's index: a failure leaves none
+    if place.read_index() is not None and not is_current(place.read_index(), identity):
+        place.remove_index()  # an older data's index: a failure leaves none (a current one is another node's)
     source = open_source(split, d.format)
     vocab, total = toks.backend(tok_dir).get_vocab_size(with_added_tokens=True), source.size
     job, notes = fmt.job(cfg, split, tok_dir, total)
@@ -325,8 +326,9 @@ def _current(cfg: Config, fmt: RecordFormat) -> tuple[Path, dict[str, Path]]:
         place = store_place(cfg, fmt, split, tok_dir)
         index = place.read_index()
         if not is_current(index, fmt.identity(cfg, split)):
-            raise FileNotFoundError(f"store for {split.key} in '{place.url or place.local}' is missing or older "
-                                    f"than the data (run `phalanx prepare` with this config)")
+            why = "has no index (not prepared, or interrupted)" if index is None else "is older than the data"
+            raise FileNotFoundError(f"store for {split.key} in '{place.url or place.local}' {why} (run `phalanx "
+                                    f"prepare` with this config)")
         if place.remote:
             remote.open_cached(place, index, int(d.cache_limit_gb * 1e9))
         folders[split.name] = place.local

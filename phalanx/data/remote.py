@@ -78,8 +78,10 @@ class Place:
             fs, root = self._fs()
             try:
                 fs.pipe_file(f"{root}/{store.INDEX}", path.read_bytes(), mode="create")
-            except FileExistsError:
-                pass
+            except FileExistsError:  # another node's, maybe still being written: readable within seconds
+                deadline = time.monotonic() + 60
+                while self.read_index() is None and time.monotonic() < deadline:
+                    time.sleep(0.1)
 
     # ---- shards -------------------------------------------------------------------------------------
     def listing(self, max_age: float = 0.0) -> dict[str, int]:
@@ -91,21 +93,26 @@ class Place:
                 found = fs.find(root, detail=True, withdirs=False)
             except FileNotFoundError:
                 found = {}
+            fs.invalidate_cache(root)  # s3fs answers 'not found' from a kept listing without asking
             self._listing = {name[len(root) + 1:]: int(info["size"]) for name, info in found.items()}
             self._listed_at = time.monotonic()
         return self._listing
 
-    def record(self, fp: str, max_age: float = 0.0) -> dict | None:
-        """A finished shard's record: its arrays all there with their sizes, the record written after them."""
+    def record(self, fp: str, max_age: float | None = None) -> dict | None:
+        """A finished shard's record: its arrays all there with their sizes, the record written after them.
+        Remote: looked up in a listing at most `max_age` seconds old, or (None) asked for directly."""
         if not self.remote:
             return store.shard_record(self.local, fp)
-        listed = self.listing(max_age)
-        if f"{fp}.json" not in listed:
-            return None
         fs, root = self._fs()
-        record = json.loads(fs.cat_file(f"{root}/{fp}.json"))
-        ok = all(listed.get(store.array_file(fp, n)) == sizes for n, sizes in array_sizes(record).items())
-        return record if ok else None
+        if max_age is not None and f"{fp}.json" not in self.listing(max_age):
+            return None
+        try:
+            record = json.loads(fs.cat_file(f"{root}/{fp}.json"))
+        except FileNotFoundError:
+            return None
+        sizes = {n: self.listing(max_age).get(store.array_file(fp, n)) if max_age is not None else
+                 _size(fs, f"{root}/{store.array_file(fp, n)}") for n in store.arrays_of(record)}
+        return record if sizes == array_sizes(record) else None
 
     def publish(self, record: dict) -> None:
         """Upload a finished shard (arrays, then record) and drop the local copy of its per-token arrays:
@@ -181,6 +188,13 @@ class Place:
 def array_sizes(record: dict) -> dict[str, int]:
     """Bytes of each array file of a shard record."""
     return {n: record[per] * np.dtype(dtype).itemsize for n, (dtype, per) in store.arrays_of(record).items()}
+
+
+def _size(fs, path: str) -> int | None:
+    try:
+        return int(fs.info(path)["size"])
+    except FileNotFoundError:
+        return None
 
 
 def _sha256(path: Path) -> str:

@@ -64,7 +64,7 @@ _opened: dict[str, ShardCache] = {}
 def attached(folder: Path) -> ShardCache | None:
     """The cache of `folder` when it holds a remote store's files (one per folder and process), else None."""
     key = str(folder)
-    if key not in _opened:
+    if key not in _opened or _opened[key].failed:  # a refusal is tried again by a new opening
         try:
             spec = json.loads((Path(folder) / MARKER).read_text())
         except FileNotFoundError:
@@ -97,6 +97,8 @@ class ShardCache:
         caller maps it, and closing the descriptor releases it."""
         path, asked = self.folder / name, False
         while True:
+            if self.failed:
+                raise DownloadError(self.failed)
             if self._present(name):
                 try:
                     fd = os.open(path, os.O_RDONLY)
@@ -107,12 +109,12 @@ class ShardCache:
                     self.hits += not asked
                     return fd
                 os.close(fd)
+            self._lead()  # first: a new downloader clears the refusals of the last one, and tries again
             self._raise_failure(name)
             if not asked:
                 self.misses += 1
                 (self.folder / f".want.{name}").touch()
                 asked = True
-            self._lead()
             self._wake.set()
             time.sleep(0.01)
 
@@ -124,8 +126,9 @@ class ShardCache:
 
     def _raise_failure(self, name: str) -> None:
         failed = self.folder / f".failed.{name}"
-        if self.failed or failed.exists():
-            raise DownloadError(self.failed or failed.read_text())
+        if failed.exists():  # the node's downloader refused it
+            self.failed = failed.read_text()
+            raise DownloadError(self.failed)
 
     def _lead(self) -> bool:
         """Become the node's downloader if no live process is (non-blocking)."""
@@ -138,8 +141,8 @@ class ShardCache:
             os.close(fd)
             return False
         self._lock_fd = fd
-        for stale in self.folder.glob(".*.tmp"):  # what a killed downloader was writing
-            stale.unlink(missing_ok=True)
+        for stale in [*self.folder.glob(".*.tmp"), *self.folder.glob(".failed.*")]:  # a killed or failed
+            stale.unlink(missing_ok=True)  # downloader's partial files, and its refusals (tried again now)
         threading.Thread(target=self._download_loop, name="phalanx-shard-cache", daemon=True).start()
         return True
 
@@ -161,6 +164,8 @@ class ShardCache:
             except Exception as e:  # said by every process that waits for this file
                 self.failed = str(e)
                 (self.folder / f".failed.{name}").write_text(str(e))
+                os.close(self._lock_fd)  # another opening may try again (a new run, once the store is fixed)
+                self._lock_fd = None
                 return
             (self.folder / f".want.{name}").unlink(missing_ok=True)
 

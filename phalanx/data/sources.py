@@ -107,6 +107,7 @@ def _remote_files(split: Split) -> list[tuple[Blob, int, tuple]]:
         fs, root = fsspec.core.url_to_fs(spec)
         fs.invalidate_cache(root)  # fsspec keeps listings: a file changed since the last one counts
         infos = fs.find(root, detail=True, withdirs=False)
+        fs.invalidate_cache(root)  # and keeps none: s3fs answers 'not found' from a kept listing
     except ImportError as e:  # the backend's package (gcsfs, adlfs, ...) is not installed
         raise ConfigError(f"config key '{key}': '{spec}' needs a package that is not installed "
                           f"({readers.one_line(e)})") from None

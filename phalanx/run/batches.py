@@ -42,7 +42,8 @@ class BatchSource:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="phalanx-batches", initializer=init[0],
                                            initargs=init[1])
         self.ahead: tuple[int, list[int], Future] | None = None
-        stores = task.train_set.stores() if hasattr(task.train_set, "stores") else []
+        stores = task.train_set.stores() if hasattr(task.train_set, "stores") else []  # (chat's packed rows
+        # are not contiguous in the store: their shards are fetched as they are read)
         self.cached = [s for s in stores if s.cache is not None]
         self.plan = ShardPlan.of(task.train_set) if self.cached else None
 

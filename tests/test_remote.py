@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -121,13 +123,19 @@ def cache_folder(cache: Path) -> Path:
     return next((cache / "remote").glob("store-*"))
 
 
-def test_a_store_larger_than_the_cache_trains_bitwise_like_the_local_store(s3, tmp_path, cache_dir):
+@pytest.fixture(scope="module")
+def local_windowed(tmp_path_factory, cache_dir) -> Path:
+    """The reference: the windowed order from a local store, 2 processes."""
+    run = tmp_path_factory.mktemp("local-windowed")
+    phalanx(*lm_args(run, cache_dir, *REFERENCE, *SMALL_SHARDS, "data.order=windowed"), "--nproc-per-node", 2,
+            check=True, timeout=240)
+    return run
+
+
+def test_a_store_larger_than_the_cache_trains_bitwise_like_the_local_store(s3, tmp_path, local_windowed):
     """2 processes each side: the same windowed order from a local store and from S3 through a node cache
     of 0.6 MB for a 1.15 MB store (evicting as it goes): identical losses and weights."""
-    url = s3.bucket("train-store")
-    local = tmp_path / "local"
-    phalanx(*lm_args(local, cache_dir, *REFERENCE, *SMALL_SHARDS, "data.order=windowed"), "--nproc-per-node", 2,
-            check=True, timeout=240)
+    url, local = s3.bucket("train-store"), local_windowed
     run, cache = tmp_path / "remote", tmp_path / "node-cache"
     phalanx(*remote_run(run, cache, url), "--nproc-per-node", 2, check=True, timeout=240)
     same_run(run, local)
@@ -252,9 +260,6 @@ def objects(s3, prefix: str) -> dict[str, bytes]:
 def test_two_launchers_split_the_preparation_and_make_the_one_node_store(s3, tok, tmp_path):
     """Two `phalanx prepare` at once (two nodes: a cache each, one store): each encodes a share of the
     pieces (claimed in the store), and the store equals one node's preparation byte for byte."""
-    import subprocess
-    import sys
-
     url = s3.bucket("split")
     common = ["prepare", f"data.train={SHAKESPEARE}", f"data.tokenizer={tok}", "data.shard_mb=0.01",
               "data.val_fraction=0", "--workers", "1", "--quiet"]
@@ -270,3 +275,45 @@ def test_two_launchers_split_the_preparation_and_make_the_one_node_store(s3, tok
     two, single = objects(s3, f"{url}/two"), objects(s3, f"{url}/one")
     assert two.keys() == single.keys() and len(two) > 2 * shards
     assert all(two[k] == single[k] for k in two)
+
+
+def start(args: list) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "phalanx", *map(str, args)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[str]:
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), "\n----\n".join(o[-3000:] for o in outputs)
+    return outputs
+
+
+@pytest.mark.slow
+def test_two_launchers_as_two_nodes_share_the_store_with_a_cache_each(s3, tmp_path, local_windowed):
+    """Two nodes on this machine (one launcher and one cache each), one remote store: the run of the
+    local store, bit for bit (one thread per worker: REFERENCE)."""
+    from phalanx.core.dist import free_port
+
+    url, run, port = s3.bucket("two-nodes"), tmp_path / "run", free_port()
+    nodes = ["--nnodes", 2, "--nproc-per-node", 1, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"r{port}"]
+    finish([start([*remote_run(run, tmp_path / f"node{i}", url), *nodes]) for i in range(2)])
+    same_run(run, local_windowed)
+    for i in range(2):  # each node's workers read through their own cache
+        assert list(cache_folder(tmp_path / f"node{i}").glob("*.bin"))
+
+
+@pytest.mark.slow
+def test_a_run_killed_on_2_processes_resumes_on_3_in_the_same_order(s3, tmp_path, cache_dir):
+    """Resumed on another world size from the remote store, the run continues the same sample order:
+    the local store's uninterrupted run, to float tolerance (3 processes sum in another order)."""
+    url, run = s3.bucket("resume"), tmp_path / "run"
+    wide = ["train.global_batch_size=24"]
+    local = tmp_path / "local"
+    phalanx(*lm_args(local, cache_dir, *REFERENCE, *SMALL_SHARDS, *wide, "data.order=windowed"),
+            "--nproc-per-node", 2, check=True, timeout=240)
+    first = phalanx(*remote_run(run, tmp_path / "c", url, *wide, "debug.fault=kill:rank=1:step=7"),
+                    "--nproc-per-node", 2, timeout=240)
+    assert first.returncode == 1, first.stderr[-3000:]
+    second = phalanx(*remote_run(run, tmp_path / "c", url, *wide), "--nproc-per-node", 3, check=True, timeout=240)
+    assert "resumed from" in second.stdout and "world size 3" in second.stdout
+    same_run(run, local, rel=1e-5)

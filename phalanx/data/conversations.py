@@ -13,6 +13,7 @@ in-process use, and `fold_system` / `system_policy` what `phalanx chat` shares w
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
 
 from phalanx.core.errors import ConfigError
@@ -121,7 +122,9 @@ def fold_system(messages: list[dict]) -> list[dict]:
     return chat_template.fold_system(messages)
 
 
-_ENCODERS: dict[tuple, ChatEncoder] = {}
+# Per tokenizer object (weakly: a key by id() would hand a new tokenizer that reuses a freed one's id its
+# stale encoder), then per settings.
+_ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def encode(tokenizer, messages: list[dict], train_on: str, block_size: int, truncation: str, where: str,
@@ -129,12 +132,13 @@ def encode(tokenizer, messages: list[dict], train_on: str, block_size: int, trun
     """Ids and loss mask of one conversation in at most `block_size` tokens, or None when it is dropped
     (in-process use: tests, benches; preparation encodes batches with a ChatEncoder)."""
     kwargs = json.dumps(template_kwargs or {}, sort_keys=True)
-    key = (id(tokenizer), train_on, block_size, truncation, system, kwargs)
-    if key not in _ENCODERS:
+    key = (train_on, block_size, truncation, system, kwargs)
+    encoders = _ENCODERS.setdefault(tokenizer, {})
+    if key not in encoders:
         policy = system_policy(tokenizer, system, template_kwargs)
-        _ENCODERS[key] = ChatEncoder(tokenizer, ChatSettings(train_on, truncation, block_size, policy, kwargs))
+        encoders[key] = ChatEncoder(tokenizer, ChatSettings(train_on, truncation, block_size, policy, kwargs))
     try:
-        got = _ENCODERS[key].encode(messages)
+        got = encoders[key].encode(messages)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     return got if isinstance(got, Encoded) else None

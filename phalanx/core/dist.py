@@ -143,6 +143,20 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
 
 
+def return_freed_memory() -> bool:
+    """Tell glibc's malloc to map every block of 1 MiB or more on its own and unmap it when freed, so a
+    process holds about what its live tensors need. glibc's default raises its mmap threshold to the
+    largest block freed so far (up to 32 MiB), after which tensors come from heaps where freed space is
+    reused only by same-sized requests of the same arena: measured on a 306 M-parameter GPT-2 under fsdp
+    at 2 processes, live tensors flat at 2.3 GB while private memory grew 2.9 -> 3.4 -> 3.8 GB over three
+    steps (3.4 -> 3.8 with keep_freed_memory); with this, 2.8 GB. False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, 1 << 20))  # M_MMAP_THRESHOLD: fixed, so not raised dynamically
+    except (OSError, AttributeError):
+        return False
+
+
 def setup(backend_req: str = "auto", *, timeout_s: float = 600.0, threads: int = 0,
           nccl: dict[str, str] | None = None, nccl_timeout_s: float = 0.0, tune_malloc: bool = True) -> DistInfo:
     """Initialise the default process group from `env://` (torchrun, srun, or a lone process).
@@ -151,6 +165,8 @@ def setup(backend_req: str = "auto", *, timeout_s: float = 600.0, threads: int =
     calls keep_freed_memory()."""
     if tune_malloc:
         keep_freed_memory()
+    else:
+        return_freed_memory()
     if not under_torchrun():
         env = slurm_env() if under_srun() else {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                                                  "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",

@@ -42,6 +42,7 @@ from phalanx.model.weights import pretrained_dtype
 DEFAULT_SHARD_MB = TrainConfig().export_shard_mb
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+MIN_FILE_MB = 16  # files smaller than this only add files
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -76,9 +77,22 @@ def write_hf(model: torch.nn.Module, tokenizer, out: Path, *, info: dist.DistInf
     params = {id(p) for p in model.parameters()}
     entries = entries if entries is not None else [(n, t, None) for n, t in export_entries(model)]
     entries = [(name, t, _written_dtype(t, id(t) in params, dtype), merge) for name, t, merge in entries]
-    write_files(model, entries, Path(out), info, int(shard_mb * 2**20), dtype)
+    write_files(model, entries, Path(out), info, file_limit(entries, shard_mb, info.world_size), dtype)
     if info.is_main:
         tokenizer.save_pretrained(out)
+
+
+def file_limit(entries, shard_mb: float, world_size: int) -> int:
+    """Bytes per file: train.export_shard_mb, and for a sharded model also at most a quarter of each rank's
+    share of the export (a writer holds one file while it gathers the next, and each rank's part of the
+    training state is all the memory the export may reuse: else the end of a run would peak above its steps,
+    e.g. a 1.2 GB model gathered whole on rank 0 of four that each held 0.3 GB of weights). Never under
+    MIN_FILE_MB."""
+    limit = int(shard_mb * 2**20)
+    if any(isinstance(t, DTensor) for _, t, *_ in entries):
+        share = sum(_nbytes(t, d) for _, t, d, *_ in entries) / world_size
+        limit = min(limit, max(int(share / 4), MIN_FILE_MB * 2**20))
+    return limit
 
 
 def _written_dtype(t: torch.Tensor, is_param: bool, dtype: torch.dtype) -> torch.dtype:

@@ -61,6 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.core import dist
 from phalanx.run.clock import BACKWARD, StepClock
+from phalanx.run.memphases import PhasePeaks
 from phalanx.run.stragglers import StragglerDetector
 
 MB = 2 ** 20
@@ -174,9 +175,12 @@ class Telemetry:
     """One per rank, made on every rank just before the loop (its constructor has a barrier).
     `step()` after every optimizer step; `collect()` on every rank at log steps (a gather)."""
 
-    def __init__(self, info, cfg, *, n_params: int, model, wrapped, amp_dtype, monitor, clock: StepClock | None = None):
+    def __init__(self, info, cfg, *, n_params: int, model, wrapped, amp_dtype, monitor, clock: StepClock | None = None,
+                 memory: PhasePeaks | None = None):
         """`model` is the raw model (its config gives layers and width), `wrapped` what DDP returned,
-        `clock` the loop's step clock (host clock only if not given)."""
+        `clock` the loop's step clock (host clock only if not given), `memory` the run's per-phase peaks
+        (they reset the kernel's high-water mark, so the whole run's comes from them)."""
+        self.memory = memory
         log_cfg = cfg.log
         self.info, self.monitor, self.n_params = info, monitor, n_params
         self.clock = clock or StepClock()
@@ -236,7 +240,8 @@ class Telemetry:
         cuda = self.info.device.type == "cuda"
         rss = self.process.memory_info().rss / MB
         # The kernel updates the high-water mark lazily (per-thread counters), so it can trail RSS a little.
-        return [self.process.cpu_percent(None), rss, max(rss, host_peak_mb()),
+        peak = max(host_peak_mb(), self.memory.peak_mb()) if self.memory else host_peak_mb()
+        return [self.process.cpu_percent(None), rss, max(rss, peak),
                 torch.cuda.memory_allocated(self.info.device) / MB if cuda else math.nan,
                 torch.cuda.max_memory_allocated(self.info.device) / MB if cuda else math.nan]
 
@@ -314,6 +319,8 @@ class Telemetry:
                "threads_per_process": torch.get_num_threads(),
                "peak_tflops": self.peak_tflops, "peak_tflops_source": self.peak_source}
         out.update({k: v for k, v in self.peaks.items() if v})
+        if self.memory is not None:  # collective: every rank's private peak per phase
+            out.update(self.memory.summary(self.info))
         return out
 
 

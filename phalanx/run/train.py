@@ -15,7 +15,6 @@ import math
 import time
 import traceback
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 import torch
@@ -33,22 +32,21 @@ from phalanx.core.faults import parse_fault
 from phalanx.core.runfolder import RunFolder, write_json
 from phalanx.data.cache import cache_root
 from phalanx.data.samplers import GlobalBatchSampler, order_version
-from phalanx.model import precision
-from phalanx.model.build import count_parameters, model_builder, quiet_transformers, wrap
+from phalanx.model.build import count_parameters, quiet_transformers
 from phalanx.model.identity import base_identity
 from phalanx.model.lora import trainable_parameters
-from phalanx.model.optim import WarmupCosine, build_optimizer, optimizer_impl
-from phalanx.model.weights import pretrained_dtype
+from phalanx.model.optim import optimizer_impl
 from phalanx.run.batches import BatchSource
 from phalanx.run.checkpoint import CheckpointDict, Checkpointer, resolve_resume
 from phalanx.run.clock import BACKWARD, DATA, FORWARD, SYNC, StepClock, StepMarks
 from phalanx.run.evaluate import evaluate
+from phalanx.run.memphases import PhasePeaks
 from phalanx.run.export import export_dtype, export_final
 from phalanx.run.monitor import Monitor
 from phalanx.run.probe import Probe
 from phalanx.run.startline import start_line
+from phalanx.run.trainee import Trainee, build_trainee, checkpoint_dict, say
 from phalanx.run.state import PreemptionFlag, StopTraining, TrainState
-from phalanx.run.stateful import ModelState, OptimizerState, RNGState
 from phalanx.run.telemetry import Telemetry
 from phalanx.run.watchdog import Phase, Watchdog
 from phalanx.tasks import get_task
@@ -60,7 +58,9 @@ def train(cfg: Config | str) -> dict:
         cfg = load_config(str(cfg))
     info = dist.setup(cfg.dist.backend, timeout_s=max(cfg.dist.startup_timeout_s, cfg.dist.timeout_s) + 60,
                       threads=cfg.dist.threads_per_worker, nccl=dist.nccl_env(cfg.dist),
-                      nccl_timeout_s=cfg.dist.nccl_timeout_s, tune_malloc=cfg.dist.keep_freed_memory)
+                      nccl_timeout_s=cfg.dist.nccl_timeout_s,
+                      # fsdp: memory per rank is the point (dist.return_freed_memory)
+                      tune_malloc=cfg.dist.keep_freed_memory and cfg.train.strategy != "fsdp")
     watchdog = Watchdog(RunFolder(cfg.run_dir).hang, info.rank, info.world_size, cfg.dist.startup_timeout_s).start()
     try:
         summary = _train(cfg, info, watchdog)
@@ -78,7 +78,7 @@ def train(cfg: Config | str) -> dict:
 
 def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     """Set up (data, model, optimizer, resume), loop, then export and summarise (or stop preempted)."""
-    t, folder, started_at = cfg.train, RunFolder(cfg.run_dir), time.time()
+    t, folder, started_at, memory = cfg.train, RunFolder(cfg.run_dir), time.time(), PhasePeaks()
     quiet_transformers()
     accum = check_world(cfg, info.world_size)
     if info.is_main:
@@ -88,7 +88,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     task = get_task(cfg.task)(cfg, info)
     task.open_data()
     tr = build_trainee(cfg, info, task)
-    _say(info, start_line(cfg, info, tr, accum))
+    say(info, start_line(cfg, info, tr, accum))
     state = TrainState(data_order=order_version(cfg.data.order, cfg.data.store_url))  # a resume keeps its own
     checkpointer, saved = Checkpointer(folder.root, info, t.keep_checkpoints), checkpoint_dict(tr, state)
     resumed = _resume(cfg, checkpointer, saved, state, info)
@@ -98,13 +98,14 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
                       start_step=state.step, cfg=cfg)
     if resumed:
         monitor.log(resumed)
-    run = Run(cfg, info, folder, Probe(watchdog, parse_fault(cfg.debug.fault), info.rank, info.attempt), monitor,
+    probe = Probe(watchdog, parse_fault(cfg.debug.fault), info.rank, info.attempt, memory)
+    run = Run(cfg, info, folder, probe, monitor,
               checkpointer, saved, start_step=state.step, started_at=started_at,
               clock=StepClock.for_device(info.device))
     if info.is_main:  # once per run, by the rank that writes meta.json (the launcher's hashing cached the digests)
         run.base_model = base_identity(cfg.model.pretrained, cache_root(cfg.data.cache_dir))
     run.telemetry = Telemetry(info, cfg, n_params=count_parameters(tr.model), model=tr.model, wrapped=tr.wrapped,
-                              amp_dtype=tr.amp_dtype, monitor=monitor, clock=run.clock)
+                              amp_dtype=tr.amp_dtype, monitor=monitor, clock=run.clock, memory=memory)
     run.preempt = PreemptionFlag()
     # prefetch on CUDA only: on the CPU the collating thread would take cores from the step itself
     run.batches = BatchSource(task, sampler, info.rank, info.world_size, info.device,
@@ -130,54 +131,6 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     return _finish(run, tr, task, state, eval_metrics, accum, counts)
 
 
-@dataclass
-class Trainee:
-    """The pieces that train. `model` is the raw model (saved, evaluated, exported); `wrapped` adds
-    DDP/FSDP to it and `forward` adds torch.compile on top (or is `wrapped`)."""
-    model: torch.nn.Module
-    wrapped: torch.nn.Module
-    forward: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    schedule: WarmupCosine
-    scaler: torch.amp.GradScaler
-    autocast: object
-    amp_dtype: torch.dtype | None
-    added: str = ""  # what a pretrained build added to the checkpoint (a new head, grown rows), for the start line
-    frozen_dtype: torch.dtype | None = None  # LoRA: the dtype the frozen base is stored in (None: fp32)
-
-
-def build_trainee(cfg: Config, info: dist.DistInfo, task) -> Trainee:
-    t = cfg.train
-    precision.set_tf32(t.tf32, info.device.type)  # before the first matmul (CUDA only)
-    amp_dtype, warnings = precision.check_precision(t.precision, info.device.type)
-    for warning in warnings:
-        _say(info, f"phalanx: warning: {warning}")
-    torch.manual_seed(t.seed)  # a defined global stream (the model and its adapters are initialised by name)
-    frozen_dtype = precision.base_dtype(cfg.model, t.strategy, info.world_size, amp_dtype,
-                                        partial(pretrained_dtype, cfg.model.pretrained))
-    builder = model_builder(t, info.device, info.world_size, amp_dtype, frozen_dtype)
-    model = task.build_model(builder)
-    wrapped = wrap(model, t.strategy, info)
-    return Trainee(model=model, wrapped=wrapped, forward=torch.compile(wrapped) if t.compile else wrapped,
-                   optimizer=build_optimizer(model, t), schedule=WarmupCosine(t),
-                   scaler=precision.make_scaler(info.device, amp_dtype),
-                   autocast=precision.autocast_factory(info.device, amp_dtype), amp_dtype=amp_dtype,
-                   added=builder.report.clause(), frozen_dtype=frozen_dtype)
-
-
-def checkpoint_dict(tr: Trainee, state: TrainState) -> CheckpointDict:
-    """What a checkpoint holds: every object whose state a resumed run needs, by name. The sampler has no
-    entry: its position is `state.samples_seen` (with `state.data_order`)."""
-    optim = OptimizerState(tr.model, tr.optimizer)
-    # A model with frozen parameters (LoRA) saves only what trains; the base is rebuilt from model.pretrained,
-    # whose identity the checkpoint records (a resume onto another base is refused).
-    frozen = any(not p.requires_grad for p in tr.model.parameters())
-    return CheckpointDict(
-        sharded={"model": ModelState(tr.model, trainable_only=frozen), "optim": optim},
-        shared={"train_state": state, "schedule": tr.schedule, "scaler": tr.scaler, "param_groups": optim.groups},
-        per_rank={"rng": RNGState()})  # dropout is seeded per micro-batch; other streams continue per rank
-
-
 def _resume(cfg: Config, checkpointer: Checkpointer, saved: CheckpointDict, state: TrainState, info) -> dict | None:
     """Load the checkpoint `cfg.resume` selects into the objects of `saved` (`state` among them); the event
     to log."""
@@ -186,7 +139,7 @@ def _resume(cfg: Config, checkpointer: Checkpointer, saved: CheckpointDict, stat
         return None
     t_load = time.perf_counter()
     meta = checkpointer.load(path, saved)
-    _say(info, f"phalanx: resumed from {path} at step {state.step} (saved by world size "
+    say(info, f"phalanx: resumed from {path} at step {state.step} (saved by world size "
                f"{meta['world_size']}; global sample offset {state.samples_seen}; elastic attempt "
                f"{info.attempt})")
     return {"step": state.step, "event": "resumed", "from": str(path),
@@ -409,8 +362,3 @@ def _prepare_run_dir(cfg: Config, folder: RunFolder) -> None:
     save_yaml(cfg, folder.config)
     folder.preempted.unlink(missing_ok=True)
     folder.error.unlink(missing_ok=True)
-
-
-def _say(info, text: str) -> None:
-    if info.is_main:
-        print(text, flush=True)

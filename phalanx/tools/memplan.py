@@ -9,10 +9,11 @@ world size under FSDP, else 1):
                                                largest unit all-gathered, twice (prefetch)
     gradients     4 T / S
     optimizer     8 T / S                      (exp_avg, exp_avg_sq)
-    extra         k · 4 T / S                  gradient-sized memory on top: at the optimizer step (its
-                                               temporaries, what the allocator keeps from backward) and,
-                                               under FSDP, in backward (shards accumulating, reduce-scatter
-                                               inputs) while activations are still held
+    extra         k · 4 T / S                  gradient-sized memory on top, where the allocator keeps
+                                               freed memory (dist.keep_freed_memory, not under fsdp): at
+                                               the optimizer step (what it kept from backward) and in
+                                               backward; 0 where freed blocks go back to the OS (fsdp:
+                                               run/memphases.py measured live tensors + runtime there)
     activations   a · L · s · b · h            per micro-batch of b sequences of s tokens, L blocks of width h;
                                                with checkpointing: 4 · s · b · h per block (its input) + one
                                                block's a · s · b · h (its recompute)
@@ -158,11 +159,18 @@ def estimate(cfg: Config, s: Shapes, world: int, device: str, available: float) 
     gradients, optimizer = 4.0 * s.trainable / shard, 8.0 * s.trainable / shard
     buckets = gradients if t.strategy == "ddp" and world > 1 else 0.0  # DDP keeps its gradient buckets
     runtime = RUNTIME["cuda" if device == "cuda" else "cpu"]
-    backward = weights + optimizer + buckets + activations + logits + (EXTRA * gradients if shard > 1 else 0.0)
-    step = weights + gradients + optimizer + EXTRA * gradients
+    extra = EXTRA if kept_memory(cfg) else 0.0
+    backward = weights + optimizer + buckets + activations + logits + (extra * gradients if shard > 1 else 0.0)
+    step = weights + gradients + optimizer + extra * gradients
     peak = runtime + max(backward, step)
     return Plan(weights, gradients, optimizer, activations, logits, runtime, peak, available,
                 "GPU" if device == "cuda" else "process")
+
+
+def kept_memory(cfg: Config) -> bool:
+    """Does the worker's allocator keep freed memory (dist.keep_freed_memory: not under fsdp)? Kept memory is
+    what `k` stands for; a rank that returns it holds about its live tensors."""
+    return cfg.dist.keep_freed_memory and cfg.train.strategy != "fsdp"
 
 
 def _compute_dtype(requested: str, device: str) -> torch.dtype | None:

@@ -7,10 +7,13 @@ trained for a few steps with bf16 + MixedPrecisionPolicy (16-bit gathers, fp32 r
 activation checkpointing, and with CPU offload. For each: tokens/s, MFU, peak device memory (allocated,
 and reserved by the caching allocator) against the memory plan's figure, parameter/gradient/optimizer
 dtypes; then the sharded export is read back by plain transformers (same logits as the trained model).
-Last, model.attn_implementation=flash_attention_2 where flash-attn is importable (else said and skipped):
+Then model.attn_implementation=flash_attention_2 where flash-attn is importable (else said and skipped):
 the built model runs it, packed chat rows from phalanx's collate (two: the task's forward flattens them into
 one for flash attention) give each conversation the logits it has alone under sdpa (and others when the
-positions do not restart), and a few steps lower the loss.
+positions do not restart), and a few steps lower the loss. Last, FSDP2 + LoRA on a bf16 base of the same
+shape (lora_check): the frozen base stored bf16, adapters fp32, gradients and AdamW state for adapters only,
+the base bit-identical after the steps, the loss falling, peak memory against the plan, and the merged
+bf16 export read back by plain transformers. (Written without a GPU lent: only its CPU smoke path ran.)
 
     python bench/gpu_big_check.py [--steps 6] [--batch 4] [--seq 2048] [--layers 16] [--width 2048]
 Exit status: non-zero if a check fails.
@@ -130,6 +133,72 @@ def flash_attention_check(cfg, info, steps: int) -> bool:
             and losses[-1] < losses[0])
 
 
+def _lora_model(cfg, info, folder: str):
+    from phalanx.core.config import LoraSettings
+    from phalanx.model.lora import LoraAdapters
+
+    shard = partial(fsdp_shard, device=info.device, world_size=1, param_dtype=torch.bfloat16, cpu_offload=False)
+    return Builder(seed=1, device=info.device, shard=shard, frozen_dtype=torch.bfloat16,
+                   prepare=partial(apply_activation_checkpointing, mode="full")).build(
+        lambda: causal_lm(dataclasses.replace(cfg.model, pretrained=folder), 0, 0), folder,
+        adapters=LoraAdapters(LoraSettings(r=16, dropout=0.0), lambda: []))
+
+
+def lora_check(cfg, info, ids, steps: int) -> bool:
+    """FSDP2 + LoRA on a bf16 base of the same shape (issue 26): the base saved in bf16, built the trainer's
+    way (meta device, adapters injected, fully_shard per block + root, activation checkpointing, frozen base
+    stored bf16), trained with bf16 compute; then the merged export (fp32 merge, bf16 files) read back by
+    plain transformers gives the trained model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from phalanx.core.config import LoraSettings
+    from phalanx.model.build import export_entries
+    from phalanx.model.lora import merged_entries
+
+    device, folder = info.device.type, tempfile.mkdtemp(prefix="phalanx-lora-base-")
+    Builder(seed=2, device=info.device).build(lambda: causal_lm(cfg.model, cfg.data.vocab_size, 0)).to(
+        torch.bfloat16).save_pretrained(folder)  # (on a GPU box the host has room for one whole base)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = _lora_model(cfg, info, folder)
+    frozen = {n: p.detach().to_local().clone() for n, p in list(model.named_parameters())[:8] if not p.requires_grad}
+    opt = build_optimizer(model, cfg.train)
+    losses, grads = [], set()
+    for _ in range(steps):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(input_ids=ids, use_cache=False).logits.float().flatten(0, 1), ids.flatten())
+        loss.backward()
+        grads |= {n for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(float(loss.detach()), 4))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    unchanged = all(torch.equal(model.get_parameter(n).detach().to_local(), v) for n, v in frozen.items())
+    lora = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=folder, lora=LoraSettings(r=16)),
+                               task="chat", train=dataclasses.replace(cfg.train, activation_checkpointing="full"))
+    planned = memplan.estimate(lora, memplan.shapes(lora), 1, device, 0).peak
+    out = tempfile.mkdtemp(prefix="phalanx-lora-export-")
+    entries = merged_entries(model, export_entries(model.get_base_model()))
+    write_hf(model.get_base_model(), type("NoTokenizer", (), {"save_pretrained": lambda self, o: None})(), out,
+             info=info, dtype=torch.bfloat16, entries=entries)
+    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).to(info.device).eval()
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+        diff = (model.eval()(input_ids=ids[:1, :256], use_cache=False).logits.float()
+                - back(input_ids=ids[:1, :256], use_cache=False).logits.float()).abs().max().item()
+    stored = [{str(p.dtype) for p in model.parameters() if p.requires_grad == t} for t in (False, True)]
+    r = {"lora_losses": losses, "frozen_stored": sorted(stored[0]), "adapters_stored": sorted(stored[1]),
+         "only_adapters_have_grads": grads == trainable,
+         "optimizer_state_only_adapters": len(opt.state) == len(trainable),
+         "frozen_unchanged": unchanged,
+         "peak_allocated_gb": round(torch.cuda.max_memory_allocated() / GB, 2) if device == "cuda" else None,
+         "planned_gb": round(planned / GB, 2), "merged_export_max_abs_logit_diff": diff}
+    print(json.dumps(r), flush=True)
+    return (r["frozen_stored"] == ["torch.bfloat16"] and r["adapters_stored"] == ["torch.float32"]
+            and r["only_adapters_have_grads"] and r["optimizer_state_only_adapters"] and r["frozen_unchanged"]
+            and all(v == v for v in losses) and losses[-1] < losses[0] and diff < 0.1)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
@@ -200,6 +269,7 @@ def main() -> int:
               f"{r['mfu'] if r['mfu'] is not None else '-'} | {r['peak_allocated_gb']} | {r['peak_reserved_gb']} | "
               f"{r['planned_gb'] or '-'} | {r['step_s']:.3f} |")
     ok &= flash_attention_check(cfg, info, args.steps)
+    ok &= lora_check(cfg, info, ids, args.steps)
     dist.teardown()
     print(f"gpu_big_check: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1

@@ -8,16 +8,15 @@ never opened: a stale `model.safetensors` beside newer shards, or Mistral's `con
 (another key layout), would otherwise be read too. (transformers' `from_pretrained` prefers a single
 `model.safetensors` when both are there; phalanx trusts the index, which names every file it wrote.)
 
-safetensors files are read with plain positioned reads (the header gives each tensor's byte range; a
-row range of a row-major tensor is one contiguous range), not through a memory map: mapped file pages
-would count in the process's resident memory as long as the file stays open, and no rank needs more
-than its own rows. A `.bin` file is read through torch.load's memory map.
+safetensors files are read through safetensors' `safe_open`/`get_slice`: a rank reads only the rows it
+holds, each file opened per tensor read (its mapped pages are file-backed and last one read; a mapping
+held open for the whole load would keep every page read resident). A `.bin` file is read through
+torch.load's memory map.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -74,16 +73,20 @@ def pretrained_folder(spec: str) -> Path:
 
 
 class SafetensorsFile:
-    """One .safetensors file: its header, and reads of row ranges of its tensors."""
+    """One .safetensors file through safetensors' own reader: the header once, then row ranges of a tensor
+    (`safe_open(...).get_slice(key)[lo:hi]`: only those rows are read). The file is opened per read, so its
+    mapping (file-backed pages, never private memory) lasts one tensor's read, not the whole load."""
 
     def __init__(self, path: Path):
-        self.path = path
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        self.base = 8 + n
-        header.pop("__metadata__", None)
-        self.entries = {k: (v["dtype"], tuple(v["shape"]), *v["data_offsets"]) for k, v in header.items()}
+        from safetensors import safe_open  # lazy: the launcher's checks read headers only here
+
+        self.path, self._open = path, safe_open
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                self.entries = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged headers
+            raise ConfigError(f"config key 'model.pretrained': '{path}' is not a readable safetensors file "
+                              f"({str(e).splitlines()[0]})") from None
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.entries[key][1]
@@ -92,23 +95,10 @@ class SafetensorsFile:
         return _DTYPES[self.entries[key][0]]
 
     def read(self, key: str, part: slice | None = None) -> torch.Tensor:
-        code, shape, start, _ = self.entries[key]
-        dtype = _DTYPES[code]
-        if not shape:  # a scalar
-            part, shape = None, (1,)
-        lo, hi = (0, shape[0]) if part is None else (part.start, part.stop)
-        row = math.prod(shape[1:]) * dtype.itemsize
-        out = torch.empty((hi - lo, *shape[1:]), dtype=dtype)
-        if out.numel():
-            view = memoryview(out.view(torch.uint8).numpy()).cast("B")
-            with open(self.path, "rb", buffering=0) as f:
-                done, offset = 0, self.base + start + lo * row
-                while done < len(view):
-                    got = os.preadv(f.fileno(), [view[done:]], offset + done)
-                    if got <= 0:
-                        raise OSError(f"{self.path}: truncated while reading '{key}'")
-                    done += got
-        return out.reshape(self.entries[key][1]) if not self.entries[key][1] else out
+        with self._open(str(self.path), framework="pt") as f:
+            if part is None or not self.entries[key][1]:  # the whole tensor (a scalar has no rows)
+                return f.get_tensor(key)
+            return f.get_slice(key)[part.start:part.stop]
 
 
 class TorchBinFile:

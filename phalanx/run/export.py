@@ -83,13 +83,13 @@ def write_hf(model: torch.nn.Module, tokenizer, out: Path, *, info: dist.DistInf
 
 
 def file_limit(entries, shard_mb: float, world_size: int) -> int:
-    """Bytes per file: train.export_shard_mb, and for a sharded model also at most a quarter of each rank's
-    share of the export (a writer holds one file while it gathers the next, and each rank's part of the
-    training state is all the memory the export may reuse: else the end of a run would peak above its steps,
-    e.g. a 1.2 GB model gathered whole on rank 0 of four that each held 0.3 GB of weights). Never under
-    MIN_FILE_MB."""
+    """Bytes per file: train.export_shard_mb, and for a sharded model or a LoRA merge also at most a quarter
+    of each rank's share of the export (a writer holds one file while it gathers the next, and only a full
+    fine-tuning's freed gradients make room for a whole copy: else the end of a run peaks above its steps,
+    e.g. a 1.2 GB model gathered whole on rank 0 of four that each held 0.3 GB of weights, or a LoRA run's
+    merged 0.6 GB on rank 0 under ddp: 1.7 x its steps). Never under MIN_FILE_MB."""
     limit = int(shard_mb * 2**20)
-    if any(isinstance(t, DTensor) for _, t, *_ in entries):
+    if any(isinstance(t, DTensor) or merge is not None for _, t, _, merge in entries):
         share = sum(_nbytes(t, d) for _, t, d, *_ in entries) / world_size
         limit = min(limit, max(int(share / 4), MIN_FILE_MB * 2**20))
     return limit

@@ -51,6 +51,12 @@ EXTRA = 1.5                  # k: gradient-sized memory on top (see the docstrin
 # a worker before training here (~0.5 GB private, ~0.1 GB of its libraries' resident pages, which the
 # whole-peak measure counts) / cuBLAS workspaces, allocator slack (unmeasured)
 RUNTIME = {"cpu": 0.6 * GB, "cuda": 0.3 * GB}
+# where freed memory goes back to the OS (fsdp): a CPU worker's own private memory (its build phase less its
+# shards, run/memphases.py), and per parameter of the largest unit, what a full fine-tuning holds around it
+# in backward beyond the two gathers (its unsharded gradient, the reduce-scatter's input and output): fitted
+# on a 306 M GPT-2 at 2, 3, 4 processes (bench/memory_phases.py; checked on other shapes, LoRA, ddp)
+RUNTIME_RETURNED_CPU = 0.35 * GB
+UNIT_GRADIENT_BYTES = 18.0
 
 
 @dataclass(frozen=True)
@@ -155,16 +161,27 @@ def estimate(cfg: Config, s: Shapes, world: int, device: str, available: float) 
     frozen = precision.base_dtype(cfg.model, t.strategy, world, _compute_dtype(t.precision, device),
                                   lambda: s.saved_dtype)
     stored = 4.0 * s.trainable + (frozen.itemsize if frozen else 4.0) * (s.parameters - s.trainable)
-    weights = stored / shard + (2 * 4.0 * s.largest_unit if shard > 1 else 0.0)
+    weights = stored / shard + (_unit_transients(cfg, s, device) if shard > 1 else 0.0)
     gradients, optimizer = 4.0 * s.trainable / shard, 8.0 * s.trainable / shard
     buckets = gradients if t.strategy == "ddp" and world > 1 else 0.0  # DDP keeps its gradient buckets
-    runtime = RUNTIME["cuda" if device == "cuda" else "cpu"]
+    runtime = RUNTIME["cuda"] if device == "cuda" else \
+        RUNTIME["cpu"] if kept_memory(cfg) else RUNTIME_RETURNED_CPU
     extra = EXTRA if kept_memory(cfg) else 0.0
     backward = weights + optimizer + buckets + activations + logits + (extra * gradients if shard > 1 else 0.0)
     step = weights + gradients + optimizer + extra * gradients
     peak = runtime + max(backward, step)
     return Plan(weights, gradients, optimizer, activations, logits, runtime, peak, available,
                 "GPU" if device == "cuda" else "process")
+
+
+def _unit_transients(cfg: Config, s: Shapes, device: str) -> float:
+    """FSDP2: the largest unit gathered twice (prefetch) in the compute dtype (its param_dtype), and where
+    the unit trains (full fine-tuning; LoRA's adapters are a sliver of it) its gradients' buffers."""
+    compute = _compute_dtype(cfg.train.precision, device)
+    gathered = 2 * (compute.itemsize if compute else 4.0)
+    if kept_memory(cfg):  # the fitted k covers gradient-sized memory there
+        return gathered * s.largest_unit
+    return (gathered + UNIT_GRADIENT_BYTES * s.trainable / s.parameters) * s.largest_unit
 
 
 def kept_memory(cfg: Config) -> bool:

@@ -8,7 +8,9 @@ checkpoint's slices this rank owns (load.py) and, for everything the checkpoint 
 when training from scratch, buffers such as rotary `inv_freq` that no checkpoint stores, and what a
 pretrained build adds: a new head, `Builder.report`), by the named initialisation (init.py). Without
 sharding (world size 1, DDP) the same steps give the full model, with the same values, and still without
-a second full copy.
+a second full copy. Adapters (LoRA, model/lora.py) go into the skeleton right after it is defined, before
+checkpointing and sharding; the frozen base may then be stored in 16 bit (`frozen_dtype`); loading and
+named init see the base model's names (peft's mapped back), and the adapters are initialised by name last.
 """
 from __future__ import annotations
 

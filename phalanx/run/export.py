@@ -4,20 +4,21 @@ generate/predict/report).
 The export is written into RunFolder.final_tmp and renamed to final/ when complete, so a crash mid-write
 never leaves a half-written final/. What goes in is the task's: each task has an export hook,
 `task.export(model, out, write)` (TaskBase's default is `write(model, task.tokenizer, out)`), and
-`write` is `write_hf` below. A task that exports something else wraps `write` (chat with LoRA: the
-merged model, then the adapter in out/adapter).
+`write` is `write_hf` below. A task that exports something else passes its own entries (chat with LoRA:
+the base's weights with the adapters merged in, model/lora.merged_entries; the adapter in out/adapter).
 
-`write_hf` picks the layout by size. A model up to `train.export_shard_mb` is one model.safetensors
-written by rank 0 from the gathered state dict (`save_pretrained`), as before. A larger one is never
-gathered whole anywhere: its tensors are cut into files of at most that size
-(model-0000k-of-0000n.safetensors, plus the model.safetensors.index.json that from_pretrained reads), the
-files are dealt to the ranks in turn, and each tensor is gathered to the rank that writes its file only;
-every rank writes its files on a thread while the gathers go on.
+`write_hf` never gathers a model whole anywhere: its tensors are cut into files of at most
+`train.export_shard_mb` (and, for a sharded model or a LoRA merge, at most a quarter of a rank's share of
+the export, so the end of a run does not peak above its steps: file_limit), the files are dealt to the
+ranks in turn, and each tensor is gathered to the rank that writes its file only; every rank writes its
+files on a thread while the gathers go on. One file is model.safetensors (rank 0); more are
+model-0000k-of-0000n.safetensors plus the model.safetensors.index.json that from_pretrained reads. A
+merged weight is gathered with its layer's adapters, merged in fp32 on its writer, then cast.
 
 The weights are written in `train.export_dtype` (`export_dtype`: auto = the pretrained base's own dtype),
-cast from the fp32 master weights as each tensor is written (a LoRA export has merged its adapters in
-fp32 before); buffers and integer tensors keep theirs; config.json's `dtype` says the written one, and
-`train.export_shard_mb` counts bytes in it.
+cast from the weights as each tensor is written (fp32 master weights; a LoRA base may be stored in 16 bit,
+its merge is done in fp32); buffers and integer tensors keep theirs; config.json's `dtype` says the written
+one, and `train.export_shard_mb` counts bytes in it.
 """
 from __future__ import annotations
 

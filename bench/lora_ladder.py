@@ -6,7 +6,8 @@ ways to hold the frozen base:
     b  ddp, 16-bit base       every rank holds the whole base in its bf16 (model.base_dtype=auto, bf16 compute)
     c  fsdp, 16-bit base      each rank holds its rows of the bf16 base (+ train.activation_checkpointing=full)
 
-A configuration "can" train a size when its run completes the steps (checkpoint and merged export included).
+A configuration "can" train a size when its run completes the steps (the issue's rule); whether the end of the
+run (final checkpoint, merged export) completed too is its own column.
 The bases are random bf16 checkpoints written file by file (one block per file, and an index), so the
 generator never holds a model. Per rung: parameters, per-rank private peak (RssAnon sampled every 0.05 s),
 the memory plan's figure, median step time. A configuration stops at its first failure.
@@ -125,23 +126,26 @@ def run_case(work: Path, base: Path, name: str, extra: list[str], args) -> dict:
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
         if (run / "metrics.jsonl").exists() else []
     times = [m["step_time_s"] for m in metrics if "step_time_s" in m and m.get("step", 0) > 1]
+    steps = max((m["step"] for m in metrics if "loss" in m and "event" not in m), default=0)
     failed = proc.returncode != 0
     why = next((line for line in out.splitlines()[::-1] if "phalanx:" in line), "")[:160] if failed else ""
     shutil.rmtree(run, ignore_errors=True)
-    return {"config": name, "ok": not failed, "why": why, "wall_s": round(time.time() - t0, 1),
+    # "can train" = the steps completed; whether the end of the run (checkpoint, merged export) did too is "ok"
+    return {"config": name, "ok": not failed, "trained": steps >= args.steps, "steps_done": steps, "why": why,
+            "wall_s": round(time.time() - t0, 1),
             "private_peak_gb": [round(peaks[r] / 2 ** 30, 2) for r in sorted(peaks) if r >= 0],
             "planned_gb": planned, "step_s": statistics.median(times) if times else None}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| config | size (B) | parameters | ok | private peak GB per rank | planned GB | plan / peak | step s "
-             "| note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | size (B) | parameters | 3 steps | whole run | private peak GB per rank | planned GB | "
+             "plan / peak | step s | note |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         peak = max(r["private_peak_gb"], default=0)
         ratio = f"{r['planned_gb'] / peak:.2f}" if r["ok"] and peak and r["planned_gb"] else "-"
         step = f"{r['step_s']:.1f}" if r["step_s"] else "-"
-        ok = "yes" if r["ok"] else "NO"
-        lines.append(f"| {r['config']} | {r['size_b']} | {r['parameters'] / 1e9:.2f} B | {ok} | "
+        ok, trained = ("yes" if r["ok"] else "NO"), ("yes" if r["trained"] else f"NO ({r['steps_done']})")
+        lines.append(f"| {r['config']} | {r['size_b']} | {r['parameters'] / 1e9:.2f} B | {trained} | {ok} | "
                      f"{' / '.join(map(str, r['private_peak_gb'])) or '-'} | {r['planned_gb'] or '-'} | {ratio} | "
                      f"{step} | {r['why']} |")
     return "\n".join(lines)
@@ -172,7 +176,7 @@ def main() -> None:
             r = {**run_case(work, base, name, extra, args), "size_b": size, "parameters": parameters}
             rows.append(r)
             print(json.dumps(r), flush=True)
-            if not r["ok"]:
+            if not r["trained"]:
                 failed.add(name)
     shutil.rmtree(work / "base", ignore_errors=True)
     (work / "lora_ladder.json").write_text(json.dumps(rows, indent=1))

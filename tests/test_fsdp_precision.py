@@ -303,5 +303,6 @@ def test_a_sharded_export_writes_files_of_at_most_a_quarter_of_a_ranks_share(pg)
     assert file_limit(sharded, 2048, 2) == (256 * mb + 4) // 2 // 4  # a quarter of one rank's share
     assert file_limit(sharded, 16, 2) == 16 * mb
     assert file_limit(sharded, 2048, 64) == MIN_FILE_MB * mb
-    merged = big + [("m", torch.zeros(1), torch.float32, object())]  # a LoRA merge, even unsharded (ddp)
-    assert file_limit(merged, 2048, 2) == (256 * mb + 4) // 2 // 4
+    merged = [("w", torch.empty(16 * mb, device="meta"), torch.float32, None),  # 64 MiB, the largest
+              ("m", torch.zeros(1), torch.float32, object())]  # a LoRA merge (even unsharded: ddp)
+    assert file_limit(merged + big[:0], 2048, 2) == 128 * mb and file_limit(merged, 100, 2) == 100 * mb

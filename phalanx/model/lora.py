@@ -184,9 +184,9 @@ def merged_entries(model: nn.Module, entries: list[tuple[str, torch.Tensor]]) ->
 
 
 def _merge_lora(weight: torch.Tensor, adapters: list[torch.Tensor], scaling: float, transpose: bool) -> torch.Tensor:
+    """`weight` (fp32, the writer's own copy) += scaling x B @ A, in place (no delta-sized temporary)."""
     a, b = adapters
-    delta = (b @ a) * scaling
-    return weight + (delta.T if transpose else delta)
+    return weight.addmm_(a.T, b.T, alpha=scaling) if transpose else weight.addmm_(b, a, alpha=scaling)
 
 
 def _merge_rows(weight: torch.Tensor, adapters: list[torch.Tensor], indices: list[int]) -> torch.Tensor:

@@ -84,13 +84,17 @@ def write_hf(model: torch.nn.Module, tokenizer, out: Path, *, info: dist.DistInf
 
 
 def file_limit(entries, shard_mb: float, world_size: int) -> int:
-    """Bytes per file: train.export_shard_mb, and for a sharded model or a LoRA merge also at most a quarter
-    of each rank's share of the export (a writer holds one file while it gathers the next, and only a full
-    fine-tuning's freed gradients make room for a whole copy: else the end of a run peaks above its steps,
-    e.g. a 1.2 GB model gathered whole on rank 0 of four that each held 0.3 GB of weights, or a LoRA run's
-    merged 0.6 GB on rank 0 under ddp: 1.7 x its steps). Never under MIN_FILE_MB."""
+    """Bytes per file: train.export_shard_mb, and at most what the end of a run can hold without peaking above
+    its steps (a writer holds one file while it gathers the next). A sharded model: a quarter of each rank's
+    share of the export (a full fine-tuning's freed gradients make the room; the whole 1.2 GB model gathered
+    to rank 0 of four that each held 0.3 GB of weights was 1.1 x the steps). A LoRA merge frees no
+    gradients: two of its largest tensors (what the steps gathered anyway; the merged 0.6 GB on rank 0 under
+    ddp was 1.7 x the steps). Never under MIN_FILE_MB."""
     limit = int(shard_mb * 2**20)
-    if any(isinstance(t, DTensor) or merge is not None for _, t, _, merge in entries):
+    if any(merge is not None for *_, merge in entries):  # no freed gradients: the steps' gathers are the room
+        largest = max(_nbytes(t, d) for _, t, d, _ in entries)
+        return min(limit, max(2 * largest, MIN_FILE_MB * 2**20))
+    if any(isinstance(t, DTensor) for _, t, *_ in entries):
         share = sum(_nbytes(t, d) for _, t, d, *_ in entries) / world_size
         limit = min(limit, max(int(share / 4), MIN_FILE_MB * 2**20))
     return limit

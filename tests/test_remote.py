@@ -144,6 +144,9 @@ def test_a_store_larger_than_the_cache_trains_bitwise_like_the_local_store(s3, t
     assert store_bytes > 1.5 * 0.6e6 and all(len(s["sha256"]["ids"]) == 64 for s in index["shards"])
     left = sum(p.stat().st_size for p in cache_folder(cache).glob("*.bin"))
     assert 0 < left <= 0.6e6, left  # the limit held: shards were evicted as the order moved on
+    stats = [json.loads(p.read_text()) for p in cache_folder(cache).glob(".stats.*.json")]
+    fetched = [s["fetched_bytes"] for s in stats if s["fetched_bytes"]]
+    assert len(fetched) == 1  # one downloader for the node's two ranks (the other asked it)
 
 
 def same_run(run: Path, ref: Path, rel: float = 0.0) -> None:
@@ -248,6 +251,7 @@ def test_a_cache_smaller_than_the_lookahead_is_exit_2_at_start(s3, tmp_path, cac
 def objects(s3, prefix: str) -> dict[str, bytes]:
     """Every object under a prefix by its name there; an index without its times and summary."""
     out = {}
+    s3.fs.invalidate_cache()  # s3fs answers from listings it kept
     for path in s3.fs.find(prefix):
         data = s3.fs.cat_file(path)
         if path.endswith("/index.json"):
@@ -317,3 +321,34 @@ def test_a_run_killed_on_2_processes_resumes_on_3_in_the_same_order(s3, tmp_path
     second = phalanx(*remote_run(run, tmp_path / "c", url, *wide), "--nproc-per-node", 3, check=True, timeout=240)
     assert "resumed from" in second.stdout and "world size 3" in second.stdout
     same_run(run, local, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_node_killed_while_preparing_leaves_work_the_rerun_picks_up(s3, tok, tmp_path):
+    """SIGKILL mid-way: the shards it finished stay in the store and are not encoded again, its claims
+    (a dead process on this host) are taken over, and the store equals one uninterrupted preparation."""
+    import os
+    import signal
+    import time
+
+    url = s3.bucket("killed-prepare")
+    common = ["prepare", f"data.train={SHAKESPEARE}", f"data.tokenizer={tok}", "data.shard_mb=0.01",
+              "data.val_fraction=0", "--workers", "1", "--quiet"]
+    args = [*common, f"data.store_url={url}/store", f"data.cache_dir={tmp_path / 'node'}"]
+    victim = subprocess.Popen([sys.executable, "-m", "phalanx", *args], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    def records() -> int:  # shard records in the store (written after their shard's arrays)
+        s3.fs.invalidate_cache()
+        return len([p for p in s3.fs.find(f"{url}/store") if "/store-" in p and p.endswith(".json")])
+    deadline = time.time() + 120
+    while time.time() < deadline and victim.poll() is None and records() < 30:
+        time.sleep(0.05)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    done = records()
+    assert victim.returncode == -signal.SIGKILL and not any(p.endswith("index.json") for p in s3.fs.find(url))
+    rerun = phalanx(*args, check=True)
+    one = phalanx(*common, f"data.store_url={url}/one", f"data.cache_dir={tmp_path / 'one'}", check=True)
+    shards = int(one.stdout.split(" shard(s)")[0].rsplit(" ", 1)[1])
+    assert int(rerun.stdout.split("encoded_here ")[1].split(";")[0]) == shards - done  # nothing twice
+    store, single = objects(s3, f"{url}/store"), objects(s3, f"{url}/one")
+    assert store.keys() == single.keys() and all(store[k] == single[k] for k in store)  # nothing lost

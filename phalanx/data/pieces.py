@@ -157,18 +157,6 @@ def value_bytes(value) -> int:
     return 0
 
 
-def texts_of(value, kind: str) -> list[str]:
-    """The text a row's value holds, for training a tokenizer: a text field, or every string of a record."""
-    if kind == "text":
-        return [value]
-    if kind != "record":
-        return []
-    if isinstance(value, str):
-        return [value]
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    return [t for item in items for t in texts_of(item, "record")]
-
-
 # ---- reading a piece -------------------------------------------------------------------------
 def locate(source: str, kind: str, start: int, k: int) -> str:
     """'data file X line L' (JSON Lines) or '... row R' for row k of the piece (source, kind, start)."""

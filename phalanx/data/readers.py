@@ -202,6 +202,18 @@ def values_of(row, fields: Fields, where) -> tuple:
     return tuple(out)
 
 
+def texts_of(value, kind: str) -> list[str]:
+    """The text a row's value holds, for training a tokenizer: a text field, or every string of a record."""
+    if kind == "text":
+        return [value]
+    if kind != "record":
+        return []
+    if isinstance(value, str):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return [t for item in items for t in texts_of(item, "record")]
+
+
 def parquet_rows(file: Blob, first: int, last: int, fields: Fields) -> Iterator[tuple[list[tuple], int]]:
     """Checked rows of row groups [first, last), in batches, with the input bytes each stands for."""
     pf = open_parquet(file, fields)

@@ -174,6 +174,17 @@ class Place:
                 fs.rm_file(path)
         return False
 
+    def drop_claims(self) -> None:
+        """Once every piece is done: claims left by a killed preparation (between its record and its
+        release) go; a remote store's other objects are each written once and kept."""
+        if self.remote:
+            fs, root = self._fs()
+            for name in [n for n in self.listing() if n.endswith(".claim")]:
+                try:
+                    fs.rm_file(f"{root}/{name}")
+                except FileNotFoundError:
+                    pass
+
     def release(self, fp: str) -> None:
         if not self.remote:
             (self.local / f".{fp}.claim").unlink(missing_ok=True)

@@ -84,13 +84,34 @@ class ShardCache:
         self.hits = self.misses = 0
         self._lock_fd: int | None = None
         self._wake = threading.Event()
+        self._saved = (0, 0, 0)
+        self.kept = sum(e.stat().st_size for e in os.scandir(folder) if e.is_file() and not e.name.startswith(".")
+                        and e.name not in files)  # what is kept whole (records, per-row and split-wide files)
+
+    def _save_stats(self) -> None:
+        """`.stats.<pid>.json` when the counts changed (workers end with os._exit: no exit hook runs): the
+        bytes this process downloaded, and its shard maps whose file was there (hits) or waited for."""
+        counts = (self.fetched, self.hits, self.misses)
+        if counts != self._saved:
+            self._saved = counts
+            tmp = self.folder / f".stats.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps({"fetched_bytes": counts[0], "hits": counts[1], "misses": counts[2]}))
+            os.replace(tmp, self.folder / f".stats.{os.getpid()}.json")
 
     # ---- every process ---------------------------------------------------------------------------
     def want(self, names: list[str]) -> None:
         """The files the order needs next, in order of need: what the downloader fetches and keeps."""
-        self.wanted = [n for n in dict.fromkeys(names) if n in self.files]
+        wanted, room = [], self.limit - self.kept if self.limit else float("inf")
+        for n in dict.fromkeys(names):
+            if n in self.files:
+                room -= self.files[n][0]
+                if room < 0:  # more than the cache holds (the launcher checks the windowed order's
+                    break     # lookahead; another order's may be larger): the nearest first
+                wanted.append(n)
+        self.wanted = wanted
         self._lead()
         self._wake.set()
+        self._save_stats()
 
     def open(self, name: str) -> int:
         """A descriptor of the local copy of `name` under a shared lock (eviction passes it by); the

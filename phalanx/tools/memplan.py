@@ -14,6 +14,8 @@ world size under FSDP, else 1):
                                                the optimizer step (what it kept from backward) and in
                                                backward; 0 where freed blocks go back to the OS (fsdp:
                                                run/memphases.py measured live tensors + runtime there)
+    casts         2 (P - T)                    LoRA with an fp32 base under 16-bit autocast, unsharded: the
+                                               16-bit cast of each frozen weight, saved for the backward
     activations   a · L · s · b · h            per micro-batch of b sequences of s tokens, L blocks of width h;
                                                with checkpointing: 4 · s · b · h per block (its input) + one
                                                block's a · s · b · h (its recompute)
@@ -162,12 +164,17 @@ def estimate(cfg: Config, s: Shapes, world: int, device: str, available: float) 
                                   lambda: s.saved_dtype)
     stored = 4.0 * s.trainable + (frozen.itemsize if frozen else 4.0) * (s.parameters - s.trainable)
     weights = stored / shard + (_unit_transients(cfg, s, device) if shard > 1 else 0.0)
+    # 16-bit autocast over a frozen fp32 base (LoRA, ddp): each weight's 16-bit cast is saved for backward
+    compute = _compute_dtype(t.precision, device)
+    casts = compute.itemsize * (s.parameters - s.trainable) if compute and not frozen and shard == 1 and \
+        cfg.model.lora.r else 0.0
     gradients, optimizer = 4.0 * s.trainable / shard, 8.0 * s.trainable / shard
     buckets = gradients if t.strategy == "ddp" and world > 1 else 0.0  # DDP keeps its gradient buckets
     runtime = RUNTIME["cuda"] if device == "cuda" else \
         RUNTIME["cpu"] if kept_memory(cfg) else RUNTIME_RETURNED_CPU
     extra = EXTRA if kept_memory(cfg) else 0.0
-    backward = weights + optimizer + buckets + activations + logits + (extra * gradients if shard > 1 else 0.0)
+    backward = weights + optimizer + buckets + activations + casts + logits + \
+        (extra * gradients if shard > 1 else 0.0)
     step = weights + gradients + optimizer + extra * gradients
     peak = runtime + max(backward, step)
     return Plan(weights, gradients, optimizer, activations, logits, runtime, peak, available,

@@ -21,8 +21,10 @@ class TrainState:
     consecutive_nan: int = 0
     fp16_overflows: int = 0       # fp16 loss-scaler overflows (skipped steps that are not NaN)
     train_time_s: float = 0.0
-    # How the task orders samples (Task.train_order): 3 = shuffles computed per batch (Feistel), length
-    # groups of whole global batches; 2 = a stored permutation, groups of whole global batches; 1 (any
+    # How the task orders samples (Task.train_order): 4 = shards in shuffled windows, samples shuffled within
+    # each (data.order=windowed, the default with data.store_url; lm only, the other tasks order as 3); 3 =
+    # shuffles computed per batch (Feistel), length groups of whole global batches; 2 = a stored
+    # permutation, groups of whole global batches; 1 (any
     # checkpoint without the field) = a stored permutation, groups of single micro-batches. A resume keeps
     # its run's order, so an epoch in progress still sees every sample once.
     data_order: int = 3

@@ -318,7 +318,7 @@ def test_the_start_line_says_auto(tmp_path):
                          backend="gloo", device=torch.device("cpu"))
     task = SimpleNamespace(build_model=lambda builder: build_causal_lm(cfg.model, 64, 0, seed=0))
     tr = train_mod.build_trainee(cfg, info, task)
-    assert ", attention sdpa (auto)," in train_mod._start_line(cfg, info, tr, 1) + ","
+    assert ", attention sdpa (auto)," in train_mod.start_line(cfg, info, tr, 1) + ","
 
 
 # ---- LoRA: template tokens the base already has ---------------------------------------------------

@@ -357,9 +357,9 @@ def test_the_worker_applies_train_tf32_and_says_it(tf32_flags, tf32):
                          backend="nccl", device=torch.device("cuda", 0))
     tr = train_mod.build_trainee(cfg, info, SimpleNamespace(build_model=lambda builder: Model(2, 2)))
     assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
-    assert train_mod._start_line(cfg, info, tr, 1).endswith(f", tf32 {'on' if tf32 else 'off'}")
+    assert train_mod.start_line(cfg, info, tr, 1).endswith(f", tf32 {'on' if tf32 else 'off'}")
     cpu = dataclasses_replace(info, backend="gloo", device=torch.device("cpu"))
-    assert "tf32" not in train_mod._start_line(cfg, cpu, tr, 1)
+    assert "tf32" not in train_mod.start_line(cfg, cpu, tr, 1)
 
 
 def dataclasses_replace(obj, **changes):

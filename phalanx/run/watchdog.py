@@ -35,6 +35,12 @@ class Phase(str, Enum):  # not StrEnum: that is Python 3.11+, the floor is 3.10
     OPTIMIZER = "optimizer"
     EXPORT = "export"                           # RUN/final, after the last checkpoint
 
+    def __str__(self) -> str:  # as StrEnum prints: the value, on every Python version
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
 
 _ORDER = {phase.value: i for i, phase in enumerate(Phase)}
 

@@ -13,7 +13,8 @@ windowed order of one-shard windows everywhere): tokens/s from each run's summar
 data waits included) for the store on local disk, then through the node cache from S3: cold (a fresh
 cache, no limit), warm (that cache again), and a fresh cache of a quarter of the store (evicting as it
 goes); --repeats rounds, each remote run's ratio against the mean of the local runs before and after it
-(the load of a shared machine drifts within minutes), the median of those; with each remote run the
+(the load of a shared machine drifts within minutes), the median of those; the mean time of the step's data
+phase (taking the micro-batches: waits for the cache included) and its share of the step; with each remote run the
 cache's hit rate (shard maps whose file was there) and the bytes downloaded against the store's size (the
 cache's `.stats.<pid>.json`).
 
@@ -55,7 +56,10 @@ def train(run: Path, cache: Path, steps: int, logs: Path, *extra) -> dict:
     shutil.rmtree(run, ignore_errors=True)
     measured = measure(cmd, logs / f"{run.name}.log")
     summary = json.loads((run / "summary.json").read_text())
-    out = {"tokens_per_s": summary["tokens_per_s"], "train_s": summary["train_time_s"], "wall_s": measured["wall_s"]}
+    steps = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "data_time_s" in m]
+    out = {"tokens_per_s": summary["tokens_per_s"], "train_s": summary["train_time_s"], "wall_s": measured["wall_s"],
+           "data_ms": 1e3 * statistics.mean(m["data_time_s"] for m in steps),  # the logged steps' data phase
+           "data_share": sum(m["data_time_s"] for m in steps) / sum(m["step_time_s"] for m in steps)}
     files = list(cache.glob("remote/store-*/.stats.*.json"))  # one per process of the run (shard_cache.py)
     if files:
         stats = [json.loads(p.read_text()) for p in files]
@@ -90,9 +94,13 @@ def bench_train(s3: S3Server, work: Path, steps: int, repeats: int) -> list[dict
     out = []
     for case, rs in runs.items():
         # paired with the local runs around it: the load of a shared machine drifts within minutes
-        ratios = [r["tokens_per_s"] / ((local[i] + local[i + 1]) / 2) for i, r in enumerate(rs[:repeats])]
-        row = {"case": case, "store_bytes": size, "runs": rs, "ratios": ratios, "ratio": statistics.median(ratios),
-               "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs)}
+        ratios = [] if case == "local disk" else \
+            [r["tokens_per_s"] / ((local[i] + local[i + 1]) / 2) for i, r in enumerate(rs)]
+        row = {"case": case, "store_bytes": size, "runs": rs, "ratios": ratios,
+               "ratio": statistics.median(ratios) if ratios else 1.0,
+               "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+               "data_ms": statistics.median(r["data_ms"] for r in rs),
+               "data_share": statistics.median(r["data_share"] for r in rs)}
         if "hit_rate" in rs[0]:
             row.update(hit_rate=statistics.mean(r["hit_rate"] for r in rs),
                        fetched=statistics.mean(r["fetched"] for r in rs))
@@ -139,12 +147,14 @@ def tables(train_rows: list[dict], prep_rows: list[dict]) -> str:
     lines = []
     if train_rows:
         lines += ["| training (2 processes) | tokens/s (median) | vs local disk (paired, median; each round) | "
-                  "cache hit rate | downloaded / store |", "| --- | ---: | ---: | ---: | ---: |"]
+                  "data phase per step (ms; share of the step) | cache hit rate | downloaded / store |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for r in train_rows:
             hit = f"{r['hit_rate']:.1%}" if "hit_rate" in r else "-"
             got = f"{r['fetched'] / r['store_bytes']:.2f}" if "fetched" in r else "-"
-            each = ", ".join(f"{x:.2f}" for x in r["ratios"])
-            lines.append(f"| {r['case']} | {r['tokens_per_s']:,.0f} | {r['ratio']:.3f} ({each}) | {hit} | {got} |")
+            each = f"{r['ratio']:.3f} ({', '.join(f'{x:.2f}' for x in r['ratios'])})" if r["ratios"] else "1"
+            lines.append(f"| {r['case']} | {r['tokens_per_s']:,.0f} | {each} | {r['data_ms']:.2f} "
+                         f"({r['data_share']:.1%}) | {hit} | {got} |")
     if prep_rows:
         base = prep_rows[0]["wall_s"]
         lines += ["", "| preparation | corpus | wall s | MB/s | vs local disk | peak RSS of the tree |",

@@ -94,7 +94,7 @@ class ShardCache:
         counts = (self.fetched, self.hits, self.misses)
         if counts != self._saved:
             self._saved = counts
-            tmp = self.folder / f".stats.{os.getpid()}.tmp"
+            tmp = self.folder / f".stats.{os.getpid()}.{threading.get_ident()}.tmp"  # two threads save
             tmp.write_text(json.dumps({"fetched_bytes": counts[0], "hits": counts[1], "misses": counts[2]}))
             os.replace(tmp, self.folder / f".stats.{os.getpid()}.json")
 
@@ -128,6 +128,7 @@ class ShardCache:
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 if os.fstat(fd).st_nlink:  # still the cache's file, not one evicted meanwhile
                     self.hits += not asked
+                    self._save_stats()
                     return fd
                 os.close(fd)
             self._lead()  # first: a new downloader clears the refusals of the last one, and tries again
@@ -182,6 +183,7 @@ class ShardCache:
                 self._make_room(size, keep=set(requested) | set(self.wanted))
                 fetch(self.fs, f"{self.root}/{name}", self.folder / name, size, sha)
                 self.fetched += size
+                self._save_stats()
             except Exception as e:  # said by every process that waits for this file
                 self.failed = str(e)
                 (self.folder / f".failed.{name}").write_text(str(e))

@@ -46,12 +46,16 @@ class BatchSource:
         # are not contiguous in the store: their shards are fetched as they are read)
         self.cached = [s for s in stores if s.cache is not None]
         self.plan = ShardPlan.of(task.train_set) if self.cached else None
+        self.followed: list[int] = []
 
     def follow(self, offset: int) -> None:
         """The cache's lookahead from the step at `offset` (a remote store only)."""
         if self.plan is None:
             return
         shards = self.sampler.shards_ahead(offset, self.plan)
+        if shards == self.followed:  # the same windows as the last step's: nothing to tell
+            return
+        self.followed = shards
         wanted: dict[int, tuple] = {}
         for st in self.cached:
             st.keep_only(set(shards))

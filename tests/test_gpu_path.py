@@ -238,6 +238,7 @@ def test_tokens_are_counted_on_the_host_batch_before_the_copy(monkeypatch):
     from phalanx.run.batches import BatchSource
     from phalanx.run.clock import StepClock
     from phalanx.run.state import TrainState
+    from phalanx.tasks.base import TaskBase
 
     class Task(IdTask):
         def count(self, batch):
@@ -245,6 +246,7 @@ def test_tokens_are_counted_on_the_host_batch_before_the_copy(monkeypatch):
             return int(batch["input_ids"].numel())
 
         target_count = batch_tokens = count
+        step_counts, step_loss = TaskBase.step_counts, TaskBase.step_loss  # the loop's protocol, TaskBase's defaults
 
         def useful_tokens(self, batch):
             return self.count(batch) - 1

@@ -1,8 +1,9 @@
 """The training loop, top to bottom. Task-agnostic: the task supplies data, loss and metrics.
 
 Runs inside one worker process (started by torchrun/srun, or alone). Every rank executes the same
-sequence of collectives: a one-scalar-vector sync at the start of each step (global target count, stop
-votes), DDP's gradient all-reduce, and at log/eval/checkpoint steps their reductions. On CUDA the host
+sequence of collectives: a one-scalar-vector sync at the start of each step (the task's counts of the
+global batch that normalise its loss, tokens, stop votes), DDP's gradient all-reduce, and at
+log/eval/checkpoint steps their reductions. On CUDA the host
 waits for the GPU once per step, for the gradient norm (the NaN/skip decision needs it): the scalar
 collectives run on a Gloo group on the host, tokens are counted on the host batch before it is copied,
 and the loss and the step timers are read only at log steps.
@@ -88,6 +89,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     task = get_task(cfg.task)(cfg, info)
     task.open_data()
     tr = build_trainee(cfg, info, task)
+    task.attach(tr)  # before a checkpoint is loaded: the model holds its initial weights
     say(info, start_line(cfg, info, tr, accum))
     state = TrainState(data_order=order_version(cfg.data.order, cfg.data.store_url))  # a resume keeps its own
     checkpointer, saved = Checkpointer(folder.root, info, t.keep_checkpoints), checkpoint_dict(tr, state)
@@ -165,6 +167,7 @@ class Run:
     batches: BatchSource | None = None  # this rank's micro-batches of each step, on the host
     first_step_at: float | None = None
     base_model: str = ""          # the pretrained base's identity (model/identity.py), on the main rank
+    task_sums: torch.Tensor | None = None  # the task's training-metric sums since the last log line
 
 
 def _loop(run: Run, tr: Trainee, task, state: TrainState) -> tuple[bool, dict]:
@@ -194,12 +197,23 @@ def _loop(run: Run, tr: Trainee, task, state: TrainState) -> tuple[bool, dict]:
         run.first_step_at = run.first_step_at or time.time()
         stop, checkpoint_due = r.stop, r.checkpoint_due
         run.telemetry.step(r)
+        if r.task_sums is not None:
+            run.task_sums = r.task_sums if run.task_sums is None else run.task_sums + r.task_sums
 
         step = state.step
         if step % t.log_every == 0 or step == t.max_steps or stop:
             # loss, rates, time split, per-rank resources, MFU: one gather on all ranks, the line on rank 0
-            monitor.train(step, {**run.telemetry.collect(step), "lr": r.lr, "grad_norm": r.grad_norm,
-                                 "tokens_seen": state.tokens_seen, "epoch": state.samples_seen / len(task.train_set)})
+            monitor.train(step, {**run.telemetry.collect(step), **_task_metrics(run, task), "lr": r.lr,
+                                 "grad_norm": r.grad_norm, "tokens_seen": state.tokens_seen,
+                                 "epoch": state.samples_seen / len(task.train_set)})
+
+
+def _task_metrics(run: Run, task) -> dict:
+    """The task's training metrics over the log window: its sums all-reduced (every rank has some or none)."""
+    if run.task_sums is None:
+        return {}
+    sums, run.task_sums = dist.all_reduce(run.task_sums.tolist(), run.info), None
+    return task.train_metrics(sums) if run.info.is_main else {}
 
 
 def _due(step: int, every: int) -> bool:
@@ -218,8 +232,8 @@ def _save(run: Run, state: TrainState) -> None:
 
 @dataclass
 class StepResult:
-    loss_sum: torch.Tensor  # this rank's summed loss over its micro-batches, on the device (read at log steps)
-    count: float        # target count of the whole global batch (all-reduced)
+    loss_sum: torch.Tensor  # this rank's part of the step's loss x `count`, on the device (read at log steps)
+    count: float        # the task's first count of the whole global batch (all-reduced): the log window's weight
     tokens: float       # tokens of the global batch, padding included (all-reduced)
     useful: float       # non-padding tokens of the global batch (all-reduced)
     local_tokens: int
@@ -228,6 +242,7 @@ class StepResult:
     grad_norm: float
     lr: float
     marks: StepMarks    # the step's phase marks (run/clock.py), read by telemetry
+    task_sums: torch.Tensor | None = None  # this rank's sums of the task's training metrics (task.step_loss)
 
 
 def train_step(run: Run, tr: Trainee, task, state: TrainState, votes: tuple[bool, bool]) -> StepResult:
@@ -239,20 +254,21 @@ def train_step(run: Run, tr: Trainee, task, state: TrainState, votes: tuple[bool
     run.probe(step, Phase.DATA)
     micro_ids, host = run.batches.take(state.samples_seen)
     # Counted on the host batches: a count read from the GPU would wait for everything queued there.
-    local = [sum(task.target_count(b) for b in host), sum(task.batch_tokens(b) for b in host),
-             sum(task.useful_tokens(b) for b in host)]
+    counts = [sum(c) for c in zip(*(task.step_counts(b) for b in host))]
+    local = [sum(task.batch_tokens(b) for b in host), sum(task.useful_tokens(b) for b in host)]
     batches = [dist.to_device(b, info.device) for b in host]
     run.probe(step, Phase.SYNC)
     clock.mark(DATA)
-    # One small collective per step: the global target count (loss normaliser) and the stop votes.
-    count, tokens, useful, stop_votes, time_votes = dist.all_reduce([*local, *map(float, votes)], info)
+    # One small collective per step: the task's counts (its loss normalisers), tokens and the stop votes.
+    *totals, tokens, useful, stop_votes, time_votes = dist.all_reduce([*counts, *local, *map(float, votes)], info)
     clock.mark(SYNC)
-    losses = _forward_backward(run, tr, task, batches, micro_ids, count, step)
+    losses, sums = _forward_backward(run, tr, task, batches, micro_ids, totals, step)
     run.probe(step, Phase.OPTIMIZER)
     grad_norm, lr = _optimizer_step(run, tr, state, losses, micro_ids)
     marks = clock.stop()
-    return StepResult(loss_sum=sum(losses), count=count, tokens=tokens, useful=useful, local_tokens=local[1],
-                      stop=stop_votes > 0, checkpoint_due=time_votes > 0, grad_norm=grad_norm, lr=lr, marks=marks)
+    return StepResult(loss_sum=sum(losses) * totals[0], count=totals[0], tokens=tokens, useful=useful,
+                      local_tokens=local[0], stop=stop_votes > 0, checkpoint_due=time_votes > 0, grad_norm=grad_norm,
+                      lr=lr, marks=marks, task_sums=sums)
 
 
 def micro_seed(seed: int, step: int, micro_id: int) -> int:
@@ -278,23 +294,27 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def _forward_backward(run: Run, tr: Trainee, task, batches, micro_ids, count, step) -> list:
-    """Accumulate gradients of loss_sum * world / count, so DDP's average is the global-batch mean."""
-    losses, world = [], run.info.world_size
+def _forward_backward(run: Run, tr: Trainee, task, batches, micro_ids, totals, step) -> tuple[list, object]:
+    """Accumulate gradients of each micro-batch's part of the global-batch loss (the task divides by the
+    step's all-reduced counts) times the world size, so DDP's average is the global-batch loss's gradient.
+    Returns the parts and the sums of the task's training metrics."""
+    losses, world, sums = [], run.info.world_size, None
     for k, (batch, mid) in enumerate(zip(batches, micro_ids)):
         torch.manual_seed(micro_seed(run.cfg.train.seed, step, mid))
         with sync_context(tr.wrapped, tr.model, k == len(batches) - 1):
             poison = run.probe(step, Phase.FORWARD, k)
             with tr.autocast():
-                loss = task.loss_sum(tr.forward, batch)
+                loss, metric_sums = task.step_loss(tr.forward, batch, totals)
             if poison:  # test-only: debug.fault nan
                 loss = loss * float("nan")
             run.clock.mark(FORWARD)
             run.probe(step, Phase.BACKWARD, k)
-            tr.scaler.scale(loss * (world / count)).backward()
+            tr.scaler.scale(loss * world).backward()
             run.clock.mark(BACKWARD)
         losses.append(loss.detach())  # no host sync here: checked only if the step turns out non-finite
-    return losses
+        if metric_sums is not None:
+            sums = metric_sums if sums is None else sums + metric_sums
+    return losses, sums
 
 
 def _optimizer_step(run: Run, tr: Trainee, state: TrainState, losses, micro_ids) -> tuple[float, float]:

@@ -36,11 +36,15 @@ class Task(Protocol):
     def open_data(self) -> None: ...  # the prepared data, memory-mapped: sets train_set, val_set, tokenizer
     def train_order(self, data_order: int): ...
     def build_model(self, builder=None) -> torch.nn.Module: ...
+    def attach(self, trainee) -> None: ...  # once the model is built, before a checkpoint is loaded into it
     def collate(self, dataset, indices) -> dict: ...
-    def target_count(self, batch: dict) -> int: ...
     def batch_tokens(self, batch: dict) -> int: ...
     def useful_tokens(self, batch: dict) -> int: ...
-    def loss_sum(self, model, batch: dict) -> torch.Tensor: ...
+    # a training step: counts summed over the global batch (one all-reduce), then each micro-batch's part of
+    # the global batch's loss given those totals, and sums for the task's own training metrics
+    def step_counts(self, batch: dict) -> list[float]: ...
+    def step_loss(self, model, batch: dict, totals: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def train_metrics(self, sums: list[float]) -> dict: ...
     def eval_sums(self, model, batch: dict) -> list[float]: ...
     def eval_metrics(self, sums: list[float]) -> dict: ...
     def summary_extra(self) -> dict: ...
@@ -96,6 +100,27 @@ class TaskBase:
     def next_commands(self, run_dir) -> list[str]:
         """What to run on the finished run (printed at the end of training)."""
         return [f"phalanx report {run_dir}"]
+
+    def attach(self, trainee) -> None:
+        """Called once the trainer built the model (run/trainee.Trainee), before a checkpoint is loaded into it:
+        the model holds its initial weights (preference tuning computes its reference from them)."""
+
+    # ---- the training step ------------------------------------------------------------------
+    def step_counts(self, batch: dict) -> list[float]:
+        """This micro-batch's counts that normalise the loss, counted on the host; the loop sums them over
+        the global batch in the step's one all-reduce. Here: its targets."""
+        return [float(self.target_count(batch))]
+
+    def step_loss(self, model, batch: dict, totals: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This micro-batch's part of the global batch's loss (summed over every micro-batch of every rank it
+        is the step's loss), given `totals` (step_counts summed over the global batch), and the sums of the
+        task's training metrics (a 1-D tensor, additive over micro-batches and ranks; None: none). Here: the
+        summed target losses over the global batch's target count."""
+        return self.loss_sum(model, batch) / totals[0], None
+
+    def train_metrics(self, sums: list[float]) -> dict:
+        """The training metrics from step_loss's sums over a log window, summed over the ranks."""
+        return {}
 
     def target_count(self, batch: dict) -> int:
         return int(batch["labels"].numel())

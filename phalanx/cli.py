@@ -98,14 +98,16 @@ def cmd_prepare(args) -> int:
         raise ConfigError(f"--workers and --show: expected >= 0, got {args.workers} and {args.show}")
     config, overrides = _split_config_and_overrides(args.items)
     cfg = load_config(config, overrides)
-    if args.show and cfg.task != "chat":
-        raise ConfigError(f"--show: shows rendered conversations of task chat; this config's task is '{cfg.task}'")
+    shows = {"chat": "phalanx.tasks.chat", "preference": "phalanx.tasks.preference"}  # tasks with show_examples
+    if args.show and cfg.task not in shows:
+        raise ConfigError(f"--show: shows rendered conversations (task chat) or pairs (task preference); this "
+                          f"config's task is '{cfg.task}'")
     for summary in prepare_data(cfg, args.workers, progress=not args.quiet).values():
         print(describe(summary))  # one summary shape for every task
     if args.show:
-        from phalanx.tasks.chat import show_examples
+        import importlib
 
-        print(show_examples(cfg, args.show))
+        print(importlib.import_module(shows[cfg.task]).show_examples(cfg, args.show))
     return 0
 
 
@@ -133,8 +135,9 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=0, help="encoding processes (default data.prepare_workers, "
                    "0 = the available cores)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--show", type=int, default=0, metavar="N", help="chat: print N rendered training conversations "
-                   "with the supervised tokens marked [[like this]], to check a template before a long run")
+    p.add_argument("--show", type=int, default=0, metavar="N", help="chat, preference: print N rendered training "
+                   "conversations (pairs: the prompt and both replies) with the supervised tokens marked [[like "
+                   "this]], to check a template before a long run")
     p.set_defaults(func=cmd_prepare)
     p = sub.add_parser("config", help="print the resolved config, or every field with its doc (--show)")
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]")

@@ -28,12 +28,16 @@ def _texts(folder: Path) -> dict[str, str]:
     sst.write_text("".join((SST2 / "train.jsonl").read_text().splitlines(keepends=True)[:600]))
     text = folder / "text.txt"
     text.write_text(SHAKESPEARE.read_text()[:60_000])
-    return {"lm": text, "classify": sst, "chat": talk}
+    pairs = folder / "pairs.jsonl"  # the next line preferred to the same line backwards
+    pairs.write_text("".join(json.dumps({"prompt": a, "chosen": b, "rejected": " ".join(b.split()[::-1])}) + "\n"
+                             for a, b in zip(lines[::2], lines[1::2]) if len(b.split()) > 1))
+    return {"lm": text, "classify": sst, "chat": talk, "preference": pairs}
 
 
 # What each task trains on here, and how each run command is called on its run.
 DATA = {"lm": ["model.block_size=32"], "classify": ["data.max_length=32", "data.val_fraction=0.1"],
-        "chat": ["model.block_size=64", "model.pretrained="]}
+        "chat": ["model.block_size=64", "model.pretrained="],
+        "preference": ["model.block_size=64", "model.pretrained="]}
 USE = {"generate": ["--prompt", "The", "--max-new-tokens", "4"], "predict": ["--input", "INPUT"],
        "chat": ["--message", "Hello", "--max-new-tokens", "4"]}
 

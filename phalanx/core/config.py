@@ -106,7 +106,7 @@ class DataConfig:
     messages_field: str = _f("", "chat: field with the list of turns; empty = 'messages' (messages format) or "
                              "'conversations' (sharegpt)")
     prompt_field: str = _f("", "chat: field with the prompt; empty = 'instruction' (alpaca) or 'prompt' "
-                           "(prompt_completion)")
+                           "(prompt_completion); preference: the prompt of explicit pairs, empty = 'prompt'")
     input_field: str = _f("", "chat: alpaca's optional extra input, appended to the prompt; empty = 'input'")
     completion_field: str = _f("", "chat: field with the reply; empty = 'output' (alpaca) or 'completion' "
                                "(prompt_completion)")
@@ -134,7 +134,15 @@ class DataConfig:
                              "else fold", choices=["auto", "keep", "fold"])
     packing: bool = _f(True, "chat: pack whole conversations into rows of model.block_size tokens (each "
                        "attends only to itself); train.global_batch_size then counts rows. Off: one "
-                       "conversation per row, padded per micro-batch, length-grouped")
+                       "conversation per row, padded per micro-batch, length-grouped. preference: whole pairs "
+                       "(both replies) into rows of 2 x model.block_size; off: one pair (two padded rows) per "
+                       "sample")
+    pair_format: str = _f("auto", "preference: record format; explicit = prompt, chosen and rejected fields "
+                          "(strings, or lists of messages); implicit = chosen and rejected whole conversations "
+                          "whose shared first messages are the prompt; auto = explicit where a record has the "
+                          "prompt field", choices=["auto", "explicit", "implicit"])
+    chosen_field: str = _f("", "preference: field with the better reply (or conversation); empty = 'chosen'")
+    rejected_field: str = _f("", "preference: field with the worse reply (or conversation); empty = 'rejected'")
 
 
 @dataclass
@@ -144,6 +152,29 @@ class LoraSettings:
     dropout: float = _f(0.05, "dropout on the LoRA branch's input", min=0.0, max=0.9)
     target_modules: list = _f(None, "module names to adapt (e.g. c_attn,c_proj or q_proj,v_proj); empty = every "
                               "linear layer but the output head (peft's all-linear)", factory=list)
+
+
+@dataclass
+class PreferenceConfig:
+    loss: str = _f("sigmoid", "the pair loss, as TRL 1.16's DPOTrainer defines each (d = the policy's minus the "
+                   "reference's log-prob ratio of chosen over rejected): sigmoid (DPO) = -log sigmoid(beta d); "
+                   "hinge = max(0, 1 - beta d); ipo = (d per token - 1/(2 beta))^2, each reply's log-ratio "
+                   "divided by its token count; simpo (reference-free, TRL's CPOTrainer) = -log sigmoid(beta "
+                   "(mean chosen log-prob - mean rejected log-prob) - simpo_gamma)",
+                   choices=["sigmoid", "hinge", "ipo", "simpo"])
+    beta: float = _f(0.1, "the loss's beta (IPO's tau)", min=1e-6)
+    simpo_gamma: float = _f(0.5, "simpo: the target reward margin gamma", min=0.0)
+    sft_weight: float = _f(0.0, "weight of an NLL term on the chosen replies (RPO-style), normalised by the "
+                           "chosen tokens of the whole global batch; 0 = off", min=0.0)
+    reference: str = _f("auto", "the reference model's log-probs: adapters_off = the policy with its LoRA "
+                        "adapters disabled (no second copy; needs model.lora.r > 0); precomputed = one pass "
+                        "before training writes them beside the prepared data, keyed by the base's content, the "
+                        "data, template, truncation, precision and attention (reused by later runs, recomputed "
+                        "when any differs); model = a frozen second copy built like the policy (sharded under "
+                        "fsdp); auto = adapters_off under LoRA, else precomputed. simpo needs none",
+                        choices=["auto", "adapters_off", "precomputed", "model"])
+    reference_dtype: str = _f("fp32", "reference=model: the dtype the frozen copy is stored in (its compute "
+                              "dtype is train.precision's)", choices=["fp32", "bf16", "fp16"])
 
 
 @dataclass
@@ -306,6 +337,8 @@ class Config:
     data: DataConfig = _f(None, "data sources and tokenization", factory=DataConfig)
     model: ModelConfig = _f(None, "model architecture or pretrained weights", factory=ModelConfig)
     train: TrainConfig = _f(None, "optimisation, batch, schedule and checkpoints", factory=TrainConfig)
+    preference: PreferenceConfig = _f(None, "preference tuning (task: preference): the loss and the reference",
+                                      factory=PreferenceConfig)
     dist: DistConfig = _f(None, "distributed settings", factory=DistConfig)
     log: LogConfig = _f(None, "logging sinks and progress display", factory=LogConfig)
     debug: DebugConfig = _f(None, "test-only hooks", factory=DebugConfig)
@@ -317,7 +350,8 @@ TRAINING_RELEVANT = ("task", "data.train", "data.validation", "data.val_fraction
                      "data.text_field", "data.text_pair_field", "data.label_field", "data.labels",
                      "data.chat_format", "data.messages_field", "data.prompt_field", "data.input_field",
                      "data.completion_field", "data.system_field", "data.train_on", "data.truncation",
-                     "data.template_kwargs", "data.system_message",
+                     "data.template_kwargs", "data.system_message", "data.pair_format", "data.chosen_field",
+                     "data.rejected_field", "preference",
                      "data.packing", "data.order", "data.order_window",
                      "data.tokenizer", "data.vocab_size", "data.max_length", "data.group_by_length",
                      "model", "train.global_batch_size", "train.lr", "train.min_lr_ratio",

@@ -34,6 +34,10 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
     TaskSpec("chat", "phalanx.tasks.chat:ChatTask", "supervised fine-tuning of a causal LM on conversations",
              ("eval/loss", "eval/ppl", "eval/token_accuracy"), ("generate", "chat"), True, "examples/chat.yaml",
              False),
+    TaskSpec("preference", "phalanx.tasks.preference:PreferenceTask",
+             "preference tuning (DPO, IPO, hinge, SimPO) of a chat model on pairs of a better and a worse reply",
+             ("eval/loss", "eval/rewards/accuracies", "eval/rewards/margins"), ("generate", "chat"), True,
+             "examples/preference.yaml", False),
 )}
 
 # Every command that uses a finished run, and what it does (for the error naming the right one).

@@ -90,3 +90,41 @@ def stdlib_conversations(max_chars: int = MAX_CHARS // 2) -> tuple[dict, ...]:
         if total >= max_chars:
             break
     return tuple(out)
+
+
+def _corrupted(text: str, seed: int) -> str:
+    """The reply's words in a shuffled order (seeded: the same every time): fluent text made wrong."""
+    import random
+
+    words = text.split()
+    for k in range(8):  # a reply of one repeated word cannot be reordered into another text
+        random.Random(seed * 8 + k).shuffle(words)
+        if " ".join(words) != " ".join(text.split()):
+            break
+    return " ".join(words)
+
+
+@lru_cache(maxsize=1)
+def stdlib_preference_pairs() -> tuple[dict, ...]:
+    """Preference pairs (explicit prompt, lists of messages) made from the built-in conversations: the prompt is
+    a conversation up to its last reply, the chosen reply that reply, the rejected one the same words
+    shuffled. The built-in data of `task: preference`; deterministic, offline."""
+    out = []
+    for n, record in enumerate(stdlib_conversations()):
+        messages = record["messages"]
+        reply = messages[-1]["content"]
+        wrong = _corrupted(reply, n)
+        if wrong == " ".join(reply.split()):
+            continue
+        out.append({"prompt": messages[:-1], "chosen": [messages[-1]],
+                    "rejected": [{"role": "assistant", "content": wrong}]})
+    return tuple(out)
+
+
+def records(fields: tuple) -> tuple:
+    """The built-in rows for a record format's fields ((name, kind), ...): preference pairs for a whole-row
+    field named 'pair', conversations for another whole-row field, else the docstrings (text)."""
+    whole = [name for name, kind in fields if kind == "record"]
+    if not whole:
+        return stdlib_docstrings()
+    return stdlib_preference_pairs() if whole[0] == "pair" else stdlib_conversations()

@@ -11,7 +11,8 @@ from phalanx.data import pieces
 from phalanx.data.chat_encode import REASONS, Dropped, Encoded
 
 WHY = {"too_long": "too long for model.block_size", "template_refused": "refused by the chat template",
-       "template_changed": "text changed by the chat template", "nothing_to_learn": "nothing to learn"}
+       "template_changed": "text changed by the chat template", "nothing_to_learn": "nothing to learn",
+       "prompt_not_prefix": "prompt tokens not a prefix of prompt + reply"}
 
 
 class Tally:
@@ -86,6 +87,9 @@ def gate(split_key: str, source: str, index: dict, limit: float, truncation: str
             fixes.append("set data.truncation=keep_end (keeps each record's last exchange)")
     if {"template_refused", "template_changed"} & set(s["dropped_by"]):
         fixes.append("fix those records or use a chat template that takes them")
+    if "prompt_not_prefix" in s["dropped_by"]:
+        fixes.append("use a chat template that renders a prompt alone as it renders it before a reply, or end "
+                     "prompts on a token boundary")
     fixes.append(f"or raise data.max_dropped_fraction (now {limit:g}) to train on what is left")
     return (f"config key 'data.max_dropped_fraction': the data step dropped {dropped:,} of {total:,} records of "
             f"{split_key} ('{source}'), {dropped / total:.1%} (more than {limit:.1%}): {reasons}; {detail}; "

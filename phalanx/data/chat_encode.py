@@ -24,7 +24,8 @@ from phalanx.core.errors import ConfigError
 from phalanx.data.chat_layout import Layouts, Placement, Skeleton
 from phalanx.data.chat_template import Renderer, fold, split_reasoning
 
-REASONS = ("too_long", "template_refused", "template_changed", "nothing_to_learn")
+# prompt_not_prefix: preference pairs only (pref_encode.py), whose prompt must tokenize as a prefix of each reply's
+REASONS = ("too_long", "template_refused", "template_changed", "nothing_to_learn", "prompt_not_prefix")
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,8 @@ class ChatEncoder:
             return fold(messages)
         return messages, None  # nothing folded: each message is where it was
 
-    def _full(self, messages: list[dict]) -> _Full | Dropped:
+    def full(self, messages: list[dict]) -> _Full | Dropped:
+        """One conversation rendered, tokenized, located and masked, before truncation."""
         shown, origin = self._show(messages)
         try:
             text = self.renderer.one(shown)
@@ -196,6 +198,15 @@ class ChatEncoder:
         full = _Full(messages, shown, origin, tokens, layout)
         full.mask, full.ends = self._mask(full)
         return full
+
+    def prompt_ids(self, messages: list[dict]) -> np.ndarray | Dropped:
+        """The ids of `messages` with the generation prompt: what the model reads before it writes a reply
+        (preference pairs check that they prefix prompt + reply)."""
+        try:
+            text = self.renderer.one(self._show(messages)[0], generation=True)
+        except ConfigError as e:
+            return Dropped("template_refused", str(e))
+        return self.tokens([text])[0].ids
 
     def _renders_as(self, messages: list[dict], text: str) -> bool:
         try:
@@ -246,7 +257,9 @@ class ChatEncoder:
             return self._result(full, False)
         if how == "right":
             return self._result(full, True, block)
-        got = self._keep_end(full) if how == "keep_end" else self._turns(full)
+        got = self.keep_end(full) if how == "keep_end" else self._turns(full)
+        if isinstance(got, _Full):
+            return self._result(got, True)
         if isinstance(got, Dropped) and not got.tokens:
             got.tokens = len(full.tokens.ids)
         return got
@@ -256,15 +269,16 @@ class ChatEncoder:
         block, messages = self.settings.block_size, full.messages
         ends = [k + 1 for k, m in enumerate(messages) if m["role"] == "assistant"]
         for k in reversed(ends[:-1]):
-            shorter = self._full(messages[:k])
+            shorter = self.full(messages[:k])
             if isinstance(shorter, Dropped) or len(shorter.tokens.ids) <= block:
                 return shorter if isinstance(shorter, Dropped) else self._result(shorter, True)
-        first = self._full(messages[:ends[0]]) if ends else full
+        first = self.full(messages[:ends[0]]) if ends else full
         return first if isinstance(first, Dropped) else self._result(first, True, block)
 
-    def _keep_end(self, full: _Full) -> Encoded | Dropped:
+    def keep_end(self, full: _Full) -> _Full | Dropped:
         """Oldest exchanges dropped first (the system messages before the first one stay), then the prompt
-        of the one left cut from its start; a reply is never cut."""
+        of the one left cut from its start; a reply is never cut. The conversation that fits (its `messages`
+        are the ones kept), or why none does."""
         messages = full.messages
         system = next((k for k, m in enumerate(messages) if m["role"] != "system"), len(messages))
         last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
@@ -274,14 +288,12 @@ class ChatEncoder:
         starts = [k for k in range(len(rest))  # each exchange starts at a user turn
                   if k == 0 or (rest[k]["role"] == "user" and rest[k - 1]["role"] != "user")]
         for s in starts:
-            candidate = self._full(messages[:system] + rest[s:])
-            if isinstance(candidate, Dropped):
+            candidate = self.full(messages[:system] + rest[s:])
+            if isinstance(candidate, Dropped) or len(candidate.tokens.ids) <= self.settings.block_size:
                 return candidate
-            if len(candidate.tokens.ids) <= self.settings.block_size:
-                return self._result(candidate, True)
         return self._cut_prompt(candidate, system)
 
-    def _cut_prompt(self, full: _Full, system: int) -> Encoded | Dropped:
+    def _cut_prompt(self, full: _Full, system: int) -> _Full | Dropped:
         """Cut the prompt before the first reply from its start, at the token boundaries of the rendering,
         re-rendered until it fits (a cut can change how the text left tokenizes)."""
         block = self.settings.block_size
@@ -294,10 +306,10 @@ class ChatEncoder:
                                f"model.block_size={block} tokens")
             messages = [dict(m) for m in full.messages]
             messages[k]["content"] = messages[k]["content"][cut:]
-            full = self._full(messages)
+            full = self.full(messages)
             if isinstance(full, Dropped):
                 return full
-        return self._result(full, True)
+        return full
 
     def _cut_point(self, full: _Full, k: int, excess: int) -> int | None:
         """How many characters to cut from the start of record message k's text to lose about `excess`

@@ -77,9 +77,7 @@ def plan(source, fields: Fields, piece_bytes: int) -> Iterator[Piece]:
     have no fields)."""
     spec = source.split.spec
     if not spec:
-        whole = readers.columns(fields) is None  # a whole-row format reads the built-in conversations
-        items = builtin.stdlib_conversations() if whole else builtin.stdlib_docstrings()
-        yield from _doc_pieces("builtin", ((item,) for item in items), piece_bytes)
+        yield from _doc_pieces("builtin", ((item,) for item in builtin.records(fields)), piece_bytes)
         return
     if spec.startswith("hf:"):
         yield from _doc_pieces(spec, readers.hub_rows(spec, fields, source.split.name), piece_bytes)

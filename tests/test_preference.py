@@ -86,6 +86,27 @@ def test_pairs_per_row_differ_and_the_metrics_are_logged(one_process):
     assert {"eval/rewards/accuracies", "eval/rewards/margins", "eval/loss"} <= set(summary)
 
 
+def test_report_draws_the_preference_curves_and_the_export_is_a_chat_model(one_process):
+    """`phalanx report` adds the task's curves (rewards, accuracies, log-probs, train and eval); RUN/final is
+    what task chat exports: plain transformers loads it, its tokenizer holds the chat template, and its
+    generation config stops at the end-of-turn token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from phalanx.tools.curves import task_keys
+    from phalanx.tools.report import load_run, report_run
+
+    run = load_run(one_process)
+    assert {"rewards/margins", "rewards/accuracies", "logps/chosen"} <= set(task_keys(run.train))
+    written = report_run(run)
+    assert one_process / "report" / "task.png" in written and "eval/rewards/accuracies" in (
+        one_process / "report.md").read_text()
+    final = one_process / "final"
+    tok = AutoTokenizer.from_pretrained(final)
+    AutoModelForCausalLM.from_pretrained(final)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.chat_template and end in GenerationConfig.from_pretrained(final).eos_token_id
+
+
 @pytest.mark.parametrize("nproc, micro", [(1, 6), (2, 3)])
 def test_accumulation_and_processes_equal_one_process(one_process, pairs, base, cache_dir, tmp_path, nproc, micro):
     run = tmp_path / "run"
@@ -153,3 +174,25 @@ def test_lora_resumes_on_another_world_size(lora_run, pairs, base, cache_dir, tm
     got, want = train_losses(run), train_losses(lora_run)
     for step in range(4, 9):
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_the_chat_path_sft_then_preference_then_chat(pairs, base, cache_dir, tmp_path):
+    """The README's path on small settings: chat SFT from a base, preference tuning (LoRA: adapters-off
+    reference) from the chat run's final/ (its template is used as is: no token grown), then `phalanx chat`."""
+    talk = tmp_path / "talk.jsonl"
+    with open(pairs) as f:
+        talk.write_text("".join(json.dumps({"messages": [*p["prompt"], {"role": "assistant", "content": p["chosen"]}]})
+                                + "\n" for p in map(json.loads, f)))
+    small = ["train.max_steps=3", "train.global_batch_size=4", "train.micro_batch_size=2", "train.log_every=1",
+             "train.eval_every=0", "train.eval_max_samples=8", "log.progress=off", "dist.threads_per_worker=1"]
+    sft = tmp_path / "chat"
+    phalanx("train", "task=chat", f"data.train={talk}", f"data.cache_dir={cache_dir}", f"model.pretrained={base}",
+            "model.block_size=64", "--run-dir", sft, *small, check=True, timeout=300)
+    dpo = tmp_path / "dpo"
+    proc = phalanx(*pref_args(dpo, pairs, cache_dir, sft / "final", *small, "model.lora.r=4"), check=True, timeout=300)
+    assert "task preference" in proc.stdout and "grown" not in proc.stdout
+    assert json.loads((dpo / "summary.json").read_text())["reference"] == "adapters_off"
+    assert (dpo / "final" / "adapter" / "adapter_config.json").is_file()
+    reply = phalanx("chat", dpo, "--message", "Good morrow", "--max-new-tokens", "4", check=True, timeout=120)
+    assert reply.returncode == 0

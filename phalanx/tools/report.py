@@ -19,6 +19,7 @@ import yaml
 
 from phalanx.core.config import ConfigError, config_hash, load_config
 from phalanx.core.runfolder import RunFolder
+from phalanx.tools.curves import plot_task_curves
 from phalanx.tools.plots import pyplot, save_figure
 from phalanx.tools.sweepreport import is_sweep, report_sweep
 from phalanx.run.sinks import read_metrics
@@ -27,7 +28,7 @@ from phalanx.run.stragglers import detect
 SPLIT_LABELS = {"data_time_s": "data", "sync_time_s": "step-start sync (incl. waiting for others)",
                 "fwd_bwd_time_s": "forward+backward", "optimizer_time_s": "optimizer"}
 SPLIT = tuple(SPLIT_LABELS)
-EVAL_COUNTS = ("eval/tokens", "eval/samples")
+EVAL_COUNTS = ("eval/tokens", "eval/samples", "eval/pairs", "eval/pairs_truncated")
 
 
 @dataclass
@@ -229,9 +230,10 @@ def _minutes(run: Run, records: list[dict]) -> list[float]:
 
 
 def _eval_keys(run: Run) -> list[str]:
-    """Validation metrics other than the loss (accuracy, F1, ...): drawn on a second y axis."""
+    """Validation metrics other than the loss (accuracy, F1, ...): drawn on a second y axis; those of a task's
+    metric groups (eval/rewards/margins, ...) are drawn with their training curves (curves.py)."""
     skip = set(EVAL_COUNTS) | {"eval/loss", "eval/ppl"}
-    return sorted({k for r in run.evals for k in r if k.startswith("eval/") and k not in skip})
+    return sorted({k for r in run.evals for k in r if k.startswith("eval/") and k not in skip and k.count("/") == 1})
 
 
 def plot_loss(runs: list[Run], path: Path) -> Path:
@@ -347,7 +349,8 @@ def report_run(run: Run) -> list[Path]:
     stragglers = facts(run)["stragglers"]
     plots = [plot_loss([run], out / "loss.png"), plot_throughput([run], out / "throughput.png"),
              plot_memory([run], out / "memory.png"), plot_step_split(run, out / "step_time_split.png"),
-             plot_rank_times(run, out / "rank_step_time.png", stragglers)]
+             plot_rank_times(run, out / "rank_step_time.png", stragglers), plot_task_curves([run], out / "task.png")]
+    plots = [p for p in plots if p is not None]
     md = run.path / "report.md"
     md.write_text(markdown(run, plots), encoding="utf-8")
     return plots + [md]
@@ -356,7 +359,8 @@ def report_run(run: Run) -> list[Path]:
 def compare(runs: list[Run], out: Path) -> list[Path]:
     """Overlay plots and a table with one row per run."""
     plots = [plot_loss(runs, out / "loss.png"), plot_throughput(runs, out / "throughput.png"),
-             plot_memory(runs, out / "memory.png")]
+             plot_memory(runs, out / "memory.png"), plot_task_curves(runs, out / "task.png")]
+    plots = [p for p in plots if p is not None]
     head = ("run", "status", "world", "global batch", "steps", "final loss", "tokens/s", "wall time s",
             "host peak MB", "stragglers")
     lines = ["# Run comparison", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

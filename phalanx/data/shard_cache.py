@@ -79,7 +79,7 @@ class ShardCache:
         self.folder, self.url, self.limit, self.files = folder, url, limit_bytes, files
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self.wanted: list[str] = []
-        self.failed: str | None = None
+        self.failed: dict[str, str] = {}  # file -> why its download was refused (it alone is refused)
         self.fetched = 0          # bytes this process downloaded (the benchmark's count)
         self.hits = self.misses = 0
         self._lock_fd: int | None = None
@@ -118,8 +118,8 @@ class ShardCache:
         caller maps it, and closing the descriptor releases it."""
         path, asked = self.folder / name, False
         while True:
-            if self.failed:
-                raise DownloadError(self.failed)
+            if name in self.failed:
+                raise DownloadError(self.failed[name])
             if self._present(name):
                 try:
                     fd = os.open(path, os.O_RDONLY)
@@ -149,8 +149,8 @@ class ShardCache:
     def _raise_failure(self, name: str) -> None:
         failed = self.folder / f".failed.{name}"
         if failed.exists():  # the node's downloader refused it
-            self.failed = failed.read_text()
-            raise DownloadError(self.failed)
+            self.failed[name] = failed.read_text()
+            raise DownloadError(self.failed[name])
 
     def _lead(self) -> bool:
         """Become the node's downloader if no live process is (non-blocking)."""
@@ -174,7 +174,7 @@ class ShardCache:
             requested = [p.name[6:] for p in self.folder.glob(".want.*")]
             todo = [n for n in [*requested, *self.wanted] if n in self.files and not self._present(n)]
             if not todo:
-                self._wake.wait(0.05)
+                self._wake.wait(0.2)  # idle: want() wakes it at once; other ranks ask within 0.2 s
                 self._wake.clear()
                 continue
             name = todo[0]
@@ -185,7 +185,7 @@ class ShardCache:
                 self.fetched += size
                 self._save_stats()
             except Exception as e:  # said by every process that waits for this file
-                self.failed = str(e)
+                self.failed[name] = str(e)
                 (self.folder / f".failed.{name}").write_text(str(e))
                 os.close(self._lock_fd)  # another opening may try again (a new run, once the store is fixed)
                 self._lock_fd = None

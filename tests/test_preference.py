@@ -124,14 +124,17 @@ def test_three_processes_equal_one_process(one_process, pairs, base, cache_dir, 
 
 
 @pytest.mark.slow
-def test_fsdp_with_a_sharded_reference_copy_equals_one_process(one_process, pairs, base, cache_dir, tmp_path):
-    """The reference as a frozen second copy, sharded like the policy under FSDP2 (its forwards collective, an
-    uneven evaluation included), gives the steps the precomputed reference gives."""
+@pytest.mark.parametrize("reference", ["model", "precomputed"])
+def test_fsdp_references_equal_one_process(one_process, pairs, base, tmp_path, reference):
+    """Under FSDP2 the reference as a frozen second copy sharded like the policy, or precomputed by a pass
+    whose forwards are collective (a cache of its own: computed here, not read), gives the steps one process
+    with precomputed references gives; an uneven evaluation every 3 steps included (no hang)."""
     run = tmp_path / "run"
-    phalanx(*pref_args(run, pairs, cache_dir, base, *SHAPE, "train.micro_batch_size=3", "train.strategy=fsdp",
-                       "preference.reference=model", "train.eval_every=3"), "--nproc-per-node", 2, check=True,
-            timeout=300)
-    assert json.loads((run / "summary.json").read_text())["reference"] == "model"
+    phalanx(*pref_args(run, pairs, tmp_path / "cache", base, *SHAPE, "train.micro_batch_size=3",
+                       "train.strategy=fsdp", f"preference.reference={reference}", "train.eval_every=3"),
+            "--nproc-per-node", 2, check=True, timeout=300)
+    assert json.loads((run / "summary.json").read_text())["reference"] == reference
+    assert any((tmp_path / "cache").glob("pref-*/reference-*/key.json")) == (reference == "precomputed")
     got, want = train_losses(run), train_losses(one_process)
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
@@ -160,6 +163,19 @@ def test_lora_resumes_bitwise_after_sigkill(lora_run, pairs, base, cache_dir, tm
     evals = [m for m in metrics(run) if "eval/rewards/margins" in m]
     assert [m["eval/rewards/margins"] for m in evals] == [m["eval/rewards/margins"] for m in metrics(lora_run)
                                                           if "eval/rewards/margins" in m]
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_takes_the_ddp_steps(lora_run, pairs, base, cache_dir, tmp_path):
+    """The adapters-off reference on a policy sharded by FSDP2 (the same sharded model, one more collective
+    forward per micro-batch) gives DDP's steps."""
+    run = tmp_path / "fsdp"
+    phalanx(*pref_args(run, pairs, cache_dir, base, *LORA, "train.strategy=fsdp"), "--nproc-per-node", 2,
+            check=True, timeout=300)
+    got, want = train_losses(run), train_losses(lora_run)
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ PLOTS = ("loss", "throughput", "memory", "step_time_split", "rank_step_time")
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, cache_dir):
     run = tmp_path_factory.mktemp("finished")
-    phalanx(*lm_args(run, cache_dir, "train.max_steps=8", "train.log_every=2", "train.eval_every=4"),
+    phalanx(*lm_args(run, cache_dir, "train.max_steps=8", "train.log_every=2", "train.eval_every=4",
+                     "log.straggler_margin=0.8"),  # tiny steps on a shared 2-core box are noisy (as test_monitor)
             "--nproc-per-node", 2, check=True, timeout=180)
     return run
 

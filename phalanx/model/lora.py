@@ -200,8 +200,15 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                                   ignore_frozen_params=True))
-    trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    return {k: v for k, v in state.items() if k in trainable}
+    named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+    # a tied parameter (the embedding's trainable-token rows shared with the head's) comes back under one of
+    # its names only (FSDP's state dict drops duplicates); peft's adapter file wants it under each
+    first = {}
+    for n, p in named:
+        if n in state:
+            first.setdefault(id(p), n)
+    return {n: state[n] if n in state else state[first[id(p)]] for n, p in named
+            if n in state or id(p) in first}
 
 
 def is_lora(model: nn.Module) -> bool:

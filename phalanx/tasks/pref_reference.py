@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -101,12 +102,18 @@ class Reference:
 def reference_logps(task, model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """A model's (pairs, 2) summed log-probs in eval mode (no dropout); a LoRA policy with its adapters off."""
     was_training = model.training
+    # peft's disable_adapter clears requires_grad on the adapters registered when it starts and sets it on
+    # those registered when it ends; under FSDP2 the root's parameters are swapped between the two (unsharded
+    # by the forward), so the sharded trainable-token rows the optimizer holds would stay frozen: restore them
+    trainable = [p for p in model.parameters() if p.requires_grad]
     model.eval()
     try:
         with model.disable_adapter() if is_lora(model) else contextlib.nullcontext():
             return task.sequence_logps(model, batch)
     finally:
         model.train(was_training)
+        for p in trainable:
+            p.requires_grad_(True)
 
 
 def attach(task, trainee) -> Reference:
@@ -157,10 +164,15 @@ def precompute(task, trainee) -> None:
     for dataset in (task.train_set, task.val_set):
         pairs = dataset.pairs
         if pairs.folder not in done:
-            what = key(task.cfg, trainee, pairs.folder)
-            done[pairs.folder] = stored(folder_of(pairs.folder, what), what, pairs.n)
+            what, t0 = key(task.cfg, trainee, pairs.folder), time.perf_counter()
+            out = folder_of(pairs.folder, what)
+            done[pairs.folder] = stored(out, what, pairs.n)
+            how = "read from"
             if done[pairs.folder] is None:
-                done[pairs.folder] = compute(task, trainee, pairs, folder_of(pairs.folder, what), what)
+                done[pairs.folder], how = compute(task, trainee, pairs, out, what), "computed into"
+            if task.info.is_main:
+                print(f"phalanx: reference log-probs of {pairs.n:,} pairs {how} {out} in "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
         dataset.reference = done[pairs.folder]
 
 
@@ -176,10 +188,12 @@ def stored(out: Path, what: dict, n: int) -> np.ndarray | None:
 
 
 def compute(task, trainee, pairs, out: Path, what: dict) -> np.ndarray:
-    """The distributed pass: chunks not yet written are dealt to the ranks in turn; every rank runs the same
-    number of forwards (a rank without a chunk runs throw-away batches: FSDP's forwards are collective),
-    each round's results are gathered to every rank, and each node's first process writes them."""
+    """The distributed pass: chunks not yet written are dealt to the ranks in turn; each round's results are
+    gathered to every rank, and each node's first process writes them. Under FSDP every rank runs as many
+    forwards as the round's largest chunk needs (a rank with less runs throw-away batches: FSDP's forwards
+    are collective)."""
     info, micro = task.info, task.cfg.train.micro_batch_size
+    collective = task.cfg.train.strategy == "fsdp" and info.world_size > 1
     if info.is_local_main:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier(info)
@@ -191,8 +205,9 @@ def compute(task, trainee, pairs, out: Path, what: dict) -> np.ndarray:
     for r in range(0, len(todo), info.world_size):
         mine = todo[r + info.rank] if r + info.rank < len(todo) else None
         ids = range(mine * CHUNK, min(pairs.n, (mine + 1) * CHUNK)) if mine is not None else range(0)
+        largest = max(min(pairs.n, (c + 1) * CHUNK) - c * CHUNK for c in todo[r:r + info.world_size])
         values = []
-        for b in range(math.ceil(CHUNK / micro)):
+        for b in range(math.ceil((largest if collective else len(ids)) / micro)):
             sub = list(ids[b * micro:(b + 1) * micro])
             batch = dist.to_device(task.collate_pairs(pairs, [[p] for p in (sub or [0])], None), info.device)
             with trainee.autocast():

@@ -45,7 +45,10 @@ class PeakRss(threading.Thread):
                 own, parent = p.environ(), psutil.Process(p.ppid()).environ()
             except psutil.Error:
                 return -1
-            self.kind[p.pid] = int(own["RANK"]) if "LOCAL_RANK" in own and "LOCAL_RANK" not in parent else -1
+            if "LOCAL_RANK" in own and "LOCAL_RANK" not in parent:
+                self.kind[p.pid] = int(own["RANK"])
+            else:  # not a rank, or one forked but not yet exec'd (the parent's environment): ask again
+                return -1
         return self.kind[p.pid]
 
     def sample(self) -> None:

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import SHAKESPEARE, TINY_LM, phalanx
 
 from phalanx.core.host import cores
 
 
+@pytest.mark.slow  # ~17 s
 def test_bench_writes_table_and_plot(tmp_path, cache_dir):
     out = tmp_path / "bench"
     proc = phalanx("bench", f"data.train={SHAKESPEARE}", f"data.cache_dir={cache_dir}", *TINY_LM,

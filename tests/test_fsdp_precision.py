@@ -74,6 +74,7 @@ def test_fsdp_checkpoint_resumes_under_ddp_at_one_process(fsdp2, tmp_path, cache
     _close(got, want, range(6, 11), FSDP_RTOL)
 
 
+@pytest.mark.slow  # ~12 s
 def test_ddp_checkpoint_resumes_under_fsdp(ddp2_reference, tmp_path, cache_dir):
     run = tmp_path / "fsdp-from-ddp"
     phalanx(*lm_args(run, cache_dir, *REFERENCE, "train.strategy=fsdp"), "--nproc-per-node", 2,

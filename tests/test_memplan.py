@@ -83,6 +83,7 @@ def test_launcher_refuses_before_any_worker(tmp_path, cache_dir):
     assert not plan.fits and any("warning: the memory plan does not fit" in line for line in said)
 
 
+@pytest.mark.slow  # ~12 s
 def test_the_plan_is_within_15_percent_of_a_measured_run(tmp_path, cache_dir):
     run = tmp_path / "run"
     args = ["model.n_layer=8", "model.n_embd=512", "model.n_head=8", "model.block_size=128",

@@ -208,6 +208,7 @@ print(watch.peak_total)
 """
 
 
+@pytest.mark.slow  # ~20 s; a scale check
 def test_peak_memory_of_preparing_does_not_grow_with_the_corpus(tmp_path):
     """10 MB and 100 MB: the whole process tree's peak (sampled every 100 ms) stays within 150 MB. Each size
     is prepared twice and the lower peak kept: a transient on a busy machine only ever adds (once a 10 MB run

@@ -64,7 +64,7 @@ def exported(final) -> tuple[set[torch.dtype], str]:
     return dtypes, json.loads((final / "config.json").read_text())["dtype"]
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("precision", [pytest.param("fp16", marks=pytest.mark.slow), "bf16"])  # ~12 s each
 def test_train_from_a_half_precision_checkpoint(half_folder, precision, tmp_path, cache_dir):
     """fp16 autocast + GradScaler on a 16-bit checkpoint trains (it raised in unscale_ before); RUN/final is
     written in the base's own dtype (train.export_dtype=auto; it was fp32, twice the base), and loads."""

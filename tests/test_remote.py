@@ -261,6 +261,7 @@ def objects(s3, prefix: str) -> dict[str, bytes]:
     return out
 
 
+@pytest.mark.slow  # ~17 s
 def test_two_launchers_split_the_preparation_and_make_the_one_node_store(s3, tok, tmp_path):
     """Two `phalanx prepare` at once (two nodes: a cache each, one store): each encodes a share of the
     pieces (claimed in the store), and the store equals one node's preparation byte for byte."""

@@ -72,6 +72,7 @@ def test_grid_of_four_two_at_a_time_completes_and_best_yaml_trains(tmp_path, cac
     assert started(again.stderr) == [] and len(rows(out)) == 4
 
 
+@pytest.mark.slow  # ~30 s
 def test_worse_lr_is_pruned_through_exit_75_and_a_nan_stop_is_fail(tmp_path, cache_dir):
     # sampler_seed 1: the grid hands out 3e-3 first, so the 1e-5 trial meets one finished trial
     path = write_sweep(tmp_path, cache_dir, space={"train.lr": [3e-3, 1e-5]}, sampler="grid", sampler_seed=1,
@@ -112,6 +113,7 @@ def test_the_reason_is_the_launchers_outcome_line_else_the_consoles_last(tmp_pat
     assert _reason(tmp_path, 137, since=0) == "exit code 137: Killed"
 
 
+@pytest.mark.slow  # ~30 s
 def test_ctrl_c_stops_cleanly_and_the_same_command_resumes(tmp_path, cache_dir):
     """2-process trials; SIGINT to the sweep's process group mid-trial; the rerun resumes that trial from
     its checkpoint (same number and folder) and completes the rest, no trial twice."""
@@ -163,6 +165,7 @@ def test_two_sweep_processes_split_one_study(tmp_path, cache_dir):
     assert sorted(first + second) == sorted(r["number"] for r in rs)
 
 
+@pytest.mark.slow  # ~12 s
 def test_seeds_repeat_each_configuration_and_the_report_ranks_by_the_mean(tmp_path, cache_dir):
     path = write_sweep(tmp_path, cache_dir, space={"train.lr": [3e-3]}, seeds=[1, 2], parallel=2,
                        extra=["train.max_steps=8"])

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,6 +91,35 @@ def private_peaks(launcher: subprocess.Popen, stop: threading.Event, peaks: dict
         stop.wait(0.05)
 
 
+@dataclass
+class LimitedRun:
+    """What a command run under a memory limit did: its output, exit code, each rank's private peak (bytes),
+    wall seconds, and the launcher's memory-plan figure (GB) when it printed one."""
+    out: str
+    code: int
+    peaks: dict
+    seconds: float
+    planned_gb: float | None
+
+
+def run_limited(cmd: list[str], name: str, limit_gb: float, cwd: Path = REPO, env: dict | None = None) -> LimitedRun:
+    """`cmd` in a cgroup of its own limited to `limit_gb`, each rank's private memory sampled from outside."""
+    group = Limited(f"{name}-{os.getpid()}", int(limit_gb * 2 ** 30))
+    peaks, stop = {}, threading.Event()
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=group.enter, env=env)
+    sampler = threading.Thread(target=private_peaks, args=(proc, stop, peaks), daemon=True)
+    sampler.start()
+    out = proc.communicate()[0]
+    stop.set()
+    sampler.join()
+    group.close()
+    planned = next((float(line.split("about ")[1].split(" GB")[0]) for line in out.splitlines()
+                    if "memory plan: about" in line), None)
+    return LimitedRun(out, proc.returncode, peaks, time.time() - t0, planned)
+
+
 def run_case(tree: Path, work: Path, name: str, size: float, extra: list[str], args) -> dict:
     layers, width, heads = LADDER[size]
     run = work / name.replace(" ", "_").replace("(", "").replace(")", "") / str(size)
@@ -100,27 +130,16 @@ def run_case(tree: Path, work: Path, name: str, size: float, extra: list[str], a
            "train.eval_max_samples=2", "train.warmup_steps=1", "log.progress=off", "resume=never",
            "--run-dir", str(run), "--nproc-per-node", "2", *extra]
     cmd.append("train.memory_check=warn")  # measure what happens, not what the plan says
-    group = Limited(f"phalanx-bench-{os.getpid()}", int(args.limit_gb * 2 ** 30))
-    peaks, stop = {}, threading.Event()
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=group.enter, env={**os.environ, "PYTHONPATH": str(tree)})
-    sampler = threading.Thread(target=private_peaks, args=(proc, stop, peaks), daemon=True)
-    sampler.start()
-    out = proc.communicate()[0]
-    stop.set()
-    sampler.join()
-    group.close()
-    planned = next((float(line.split("about ")[1].split(" GB")[0]) for line in out.splitlines()
-                    if "memory plan: about" in line), None)
+    done = run_limited(cmd, "phalanx-bench", args.limit_gb, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
+    out, peaks, planned = done.out, done.peaks, done.planned_gb
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] if \
         (run / "metrics.jsonl").exists() else []
     times = [m["step_time_s"] for m in steps if "step_time_s" in m and m.get("step", 0) > 1]
     hwm = next((m["ranks/host_peak_mb"] for m in steps[::-1] if "ranks/host_peak_mb" in m), [])
-    failed = proc.returncode != 0
+    failed = done.code != 0
     why = next((line for line in out.splitlines()[::-1] if line.startswith("phalanx:")), "") if failed else ""
     result = {"strategy": name, "size_b": size, "ok": not failed, "why": why[:160],
-              "wall_s": round(time.time() - t0, 1),
+              "wall_s": round(done.seconds, 1),
               "private_peak_gb": [round(peaks[r] / 2 ** 30, 2) for r in sorted(peaks) if r >= 0],
               "peak_rss_gb": [round(v / 1024, 2) for v in hwm], "planned_gb": planned,
               "step_s": statistics.median(times) if times else None,

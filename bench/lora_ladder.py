@@ -21,14 +21,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-from big_models import Limited, private_peaks
+from big_models import run_limited
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -110,29 +107,18 @@ def run_case(work: Path, base: Path, name: str, extra: list[str], args) -> dict:
            f"train.max_steps={args.steps}", "train.log_every=1", "train.eval_every=0", "train.eval_max_samples=2",
            "train.warmup_steps=1", "log.progress=off", "resume=never", "train.memory_check=warn",
            "data.max_dropped_fraction=1.0", "--run-dir", str(run), "--nproc-per-node", "2", *extra]
-    group = Limited(f"phalanx-lora-ladder-{os.getpid()}", int(args.limit_gb * 2 ** 30))
-    peaks, stop = {}, threading.Event()
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=group.enter)
-    sampler = threading.Thread(target=private_peaks, args=(proc, stop, peaks), daemon=True)
-    sampler.start()
-    out = proc.communicate()[0]
-    stop.set()
-    sampler.join()
-    group.close()
-    planned = next((float(line.split("about ")[1].split(" GB")[0]) for line in out.splitlines()
-                    if "memory plan: about" in line), None)
+    done = run_limited(cmd, "phalanx-lora-ladder", args.limit_gb)
+    out, peaks, planned = done.out, done.peaks, done.planned_gb
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
         if (run / "metrics.jsonl").exists() else []
     times = [m["step_time_s"] for m in metrics if "step_time_s" in m and m.get("step", 0) > 1]
     steps = max((m["step"] for m in metrics if "loss" in m and "event" not in m), default=0)
-    failed = proc.returncode != 0
+    failed = done.code != 0
     why = next((line for line in out.splitlines()[::-1] if "phalanx:" in line), "")[:160] if failed else ""
     shutil.rmtree(run, ignore_errors=True)
     # "can train" = the steps completed; whether the end of the run (checkpoint, merged export) did too is "ok"
     return {"config": name, "ok": not failed, "trained": steps >= args.steps, "steps_done": steps, "why": why,
-            "wall_s": round(time.time() - t0, 1),
+            "wall_s": round(done.seconds, 1),
             "private_peak_gb": [round(peaks[r] / 2 ** 30, 2) for r in sorted(peaks) if r >= 0],
             "planned_gb": planned, "step_s": statistics.median(times) if times else None}
 

@@ -11,14 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-from big_models import Limited, private_peaks
+from big_models import run_limited
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "wikitext2" / "validation.txt"
@@ -34,24 +31,13 @@ def run_one(work: Path, world: int, args, extra: list[str]) -> dict:
            "train.eval_every=0", f"train.eval_max_samples={world}", "train.warmup_steps=1", "log.progress=off",
            "resume=never", "train.memory_check=warn", "--run-dir", str(run), "--nproc-per-node", str(world),
            *([f"model.pretrained={args.pretrained}"] if args.pretrained else []), *extra]
-    group = Limited(f"phalanx-phases-{world}", int(args.limit_gb * 2 ** 30))
-    peaks, stop = {}, threading.Event()
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=group.enter)
-    sampler = threading.Thread(target=private_peaks, args=(proc, stop, peaks), daemon=True)
-    sampler.start()
-    out = proc.communicate()[0]
-    stop.set()
-    sampler.join()
-    group.close()
-    planned = next((float(line.split("about ")[1].split(" GB")[0]) for line in out.splitlines()
-                    if "memory plan: about" in line), None)
+    done = run_limited(cmd, f"phalanx-phases-{world}", args.limit_gb)
+    out, peaks, planned = done.out, done.peaks, done.planned_gb
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-    result = {"world": world, "ok": proc.returncode == 0, "wall_s": round(time.time() - t0, 1), "planned_gb": planned,
+    result = {"world": world, "ok": done.code == 0, "wall_s": round(done.seconds, 1), "planned_gb": planned,
               "sampled_private_gb": [round(peaks[r] / 2 ** 30, 3) for r in sorted(peaks) if r >= 0],
               "phases_gb": {p: [round(v / 1024, 3) for v in summary.get(f"private_peak_mb/{p}", [])] for p in PHASES},
-              "parameters": summary.get("parameters"), "tail": "" if proc.returncode == 0 else out[-1500:]}
+              "parameters": summary.get("parameters"), "tail": "" if done.code == 0 else out[-1500:]}
     shutil.rmtree(run / "checkpoints", ignore_errors=True)
     shutil.rmtree(run / "final", ignore_errors=True)
     return result

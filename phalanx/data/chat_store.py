@@ -292,13 +292,19 @@ class Conversations:
         return self.ids[lo:hi].astype(np.int64), self.mask[lo:hi].astype(bool)
 
     def view(self, packed: bool, lo: int = 0, hi: int | None = None) -> ChatSet:
-        if packed:
-            offsets = np.load(self.folder / "pack_offsets.npy", mmap_mode="r")
-            order = np.load(self.folder / "pack_order.npy", mmap_mode="r")
-            hi = len(offsets) - 1 if hi is None else hi
-            return ChatSet(self, order, offsets[lo:hi + 1])
-        hi = self.n if hi is None else hi
-        return ChatSet(self, None, np.arange(lo, hi + 1, dtype=np.int64))
+        return ChatSet(self, *samples(self.folder, self.n, packed, lo, hi))
+
+
+def samples(folder: Path, n: int, packed: bool, lo: int = 0, hi: int | None = None) -> tuple:
+    """(order, offsets) of samples lo..hi of a store of `n` units (conversations, or pairs): packed rows, each
+    a run of whole units of `order`, or (order None) one unit per sample, sample i being unit offsets[i]."""
+    if packed:
+        offsets = np.load(folder / "pack_offsets.npy", mmap_mode="r")
+        order = np.load(folder / "pack_order.npy", mmap_mode="r")
+        hi = len(offsets) - 1 if hi is None else hi
+        return order, offsets[lo:hi + 1]
+    hi = n if hi is None else hi
+    return None, np.arange(lo, hi + 1, dtype=np.int64)
 
 
 class ChatSet:

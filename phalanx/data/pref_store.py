@@ -155,13 +155,7 @@ class Pairs:
         return self.sequences.conversation(2 * p), self.sequences.conversation(2 * p + 1)
 
     def view(self, packed: bool, lo: int = 0, hi: int | None = None) -> PairSet:
-        if packed:
-            offsets = np.load(self.folder / "pack_offsets.npy", mmap_mode="r")
-            order = np.load(self.folder / "pack_order.npy", mmap_mode="r")
-            hi = len(offsets) - 1 if hi is None else hi
-            return PairSet(self, order, offsets[lo:hi + 1])
-        hi = self.n if hi is None else hi
-        return PairSet(self, None, np.arange(lo, hi + 1, dtype=np.int64))
+        return PairSet(self, *chat_store.samples(self.folder, self.n, packed, lo, hi))
 
 
 class PairSet:

@@ -3,11 +3,14 @@
 (task preference, the rejected reply the other label word) on another part, from the SFT run's final/;
 greedy replies on the 872 validation sentences (plain transformers `generate` with the saved template),
 scored by whether the reply starts with the right word. Accuracy after SFT alone and after SFT + DPO, per seed
-(a Wilson 95% interval over the 872 sentences) and over the seeds (mean, t 95% interval). With --control,
-also SFT continued on the DPO part (its chosen replies) for as many steps: more supervised data instead of
-preferences.
+(a Wilson 95% interval over the 872 sentences) and over the seeds (mean, t 95% interval), and how many replies
+start with neither word (DPO lowers both replies' log-probs: mass can leave the two words altogether).
+--sft-weights adds DPO runs with an NLL term on the chosen reply (preference.sft_weight, RPO-style) beside
+plain DPO (0). With --control, also SFT continued on the DPO part (its chosen replies) for as many steps: more
+supervised data instead of preferences. Runs whose final/ is already in --work are reused.
 
     python bench/dpo_sst2.py [--seeds 1,2,3] [--sft 4000] [--dpo 4000] [--sft-steps 200] [--dpo-steps 100]
+        [--sft-weights 0,1] [--control] [--work DIR]
 """
 from __future__ import annotations
 
@@ -46,9 +49,9 @@ def write_data(work: Path, n_sft: int, n_dpo: int) -> list[tuple[str, int]]:
     return [(r["text"], r["label"]) for r in map(json.loads, (SST2 / "validation.jsonl").read_text().splitlines())]
 
 
-def accuracy(final: Path, val: list[tuple[str, int]]) -> float:
-    """Greedy replies (up to 4 new tokens) with the saved chat template; right when the reply starts with the
-    label word."""
+def accuracy(final: Path, val: list[tuple[str, int]]) -> tuple[float, float]:
+    """Greedy replies (up to 4 new tokens) with the saved chat template: (right = the reply starts with the
+    label word, off = it starts with neither word), as fractions of the sentences."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,7 +59,7 @@ def accuracy(final: Path, val: list[tuple[str, int]]) -> float:
     tok, model = AutoTokenizer.from_pretrained(final), AutoModelForCausalLM.from_pretrained(final).eval()
     tok.padding_side = "left"
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    right = 0
+    right = off = 0
     for lo in range(0, len(val), 64):
         batch = val[lo:lo + 64]
         ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
@@ -67,8 +70,10 @@ def accuracy(final: Path, val: list[tuple[str, int]]) -> float:
         with torch.no_grad():
             out = model.generate(inputs, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=pad)
         for (_, label), row in zip(batch, out[:, width:]):
-            right += tok.decode(row, skip_special_tokens=True).strip().startswith(WORDS[label])
-    return right / len(val)
+            reply = tok.decode(row, skip_special_tokens=True).strip()
+            right += reply.startswith(WORDS[label])
+            off += not reply.startswith(WORDS)
+    return right / len(val), off / len(val)
 
 
 def wilson(p: float, n: int) -> tuple[float, float]:
@@ -86,6 +91,13 @@ def over_seeds(values: list[float]) -> str:
     return f"{mean:.1%} ({mean - half:.1%} to {mean + half:.1%})"
 
 
+def trained(cmd: list[str], run_dir: Path, work: Path) -> Path:
+    """run_dir/final, trained by `cmd` unless a finished run is there already."""
+    if not (run_dir / "final" / "config.json").is_file():
+        run([*cmd, "--run-dir", str(run_dir)], Path(f"{run_dir}.log"), work)
+    return run_dir / "final"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", default="1,2,3")
@@ -95,6 +107,7 @@ def main() -> None:
     p.add_argument("--dpo-steps", type=int, default=100)
     p.add_argument("--dpo-lr", type=float, default=1e-4)
     p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument("--sft-weights", default="0", help="preference.sft_weight of each DPO variant (0 = plain DPO)")
     p.add_argument("--control", action="store_true", help="also SFT on the DPO part for --dpo-steps steps")
     p.add_argument("--work", default="")
     a = p.parse_args()
@@ -102,35 +115,40 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     val = write_data(work, a.sft, a.dpo)
     cache = f"data.cache_dir={work / 'cache'}"
-    results: dict[str, list[float]] = {"SFT": [], "SFT + DPO": [], "SFT + more SFT": []}
+    weights = [float(w) for w in a.sft_weights.split(",")]
+    names = ["SFT", *[f"SFT + DPO{f' + {w:g} x NLL' if w else ''}" for w in weights],
+             *(["SFT + more SFT"] if a.control else [])]
+    results: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     print(f"phalanx {phalanx_version()}; SFT on {a.sft} SST-2 training phrases ({a.sft_steps} steps), DPO on "
           f"{a.dpo} others ({a.dpo_steps} steps, beta {a.beta}, lr {a.dpo_lr}); {len(val)} validation sentences; "
-          f"work folder {work}; the machine is shared\n\n| seed | SFT | SFT + DPO |" +
-          (" SFT + more SFT |" if a.control else "") + "\n|---|---|---|" + ("---|" if a.control else ""), flush=True)
+          f"work folder {work}; the machine is shared\n\naccuracy (Wilson 95%) / replies with neither word\n\n"
+          f"| seed | {' | '.join(names)} |\n|---|{'---|' * len(names)}", flush=True)
+    dpo_args = [f"data.train={work / 'pairs.jsonl'}", cache, "data.val_fraction=0.02", f"train.max_steps={a.dpo_steps}",
+                f"train.lr={a.dpo_lr}", "train.warmup_steps=10", *MODEL]
     for seed in map(int, a.seeds.split(",")):
-        sft = work / f"sft-{seed}"
-        run([sys.executable, "-m", "phalanx", "train", "task=chat", f"data.train={work / 'sft.jsonl'}", cache,
-             "data.val_fraction=0.02", f"train.seed={seed}", f"train.max_steps={a.sft_steps}", "train.lr=1e-3",
-             "train.warmup_steps=20", *MODEL, "--run-dir", str(sft)], work / f"sft-{seed}.log", work)
-        results["SFT"].append(accuracy(sft / "final", val))
-        dpo = work / f"dpo-{seed}"
-        run([sys.executable, "-m", "phalanx", "train", "task=preference", f"model.pretrained={sft / 'final'}",
-             f"data.train={work / 'pairs.jsonl'}", cache, "data.val_fraction=0.02", f"train.seed={seed}",
-             f"train.max_steps={a.dpo_steps}", f"train.lr={a.dpo_lr}", "train.warmup_steps=10",
-             f"preference.beta={a.beta}", *MODEL, "--run-dir", str(dpo)], work / f"dpo-{seed}.log", work)
-        results["SFT + DPO"].append(accuracy(dpo / "final", val))
-        cells = [results["SFT"][-1], results["SFT + DPO"][-1]]
+        sft = trained([sys.executable, "-m", "phalanx", "train", "task=chat", f"data.train={work / 'sft.jsonl'}",
+                       cache, "data.val_fraction=0.02", f"train.seed={seed}", f"train.max_steps={a.sft_steps}",
+                       "train.lr=1e-3", "train.warmup_steps=20", *MODEL], work / f"sft-{seed}", work)
+        finals = [sft]
+        for w in weights:
+            finals.append(trained([sys.executable, "-m", "phalanx", "train", "task=preference",
+                                   f"model.pretrained={sft}", f"train.seed={seed}", f"preference.beta={a.beta}",
+                                   f"preference.sft_weight={w}", *dpo_args],
+                                  work / (f"dpo-{seed}" + (f"-nll{w:g}" if w else "")), work))
         if a.control:
-            more = work / f"more-{seed}"
-            run([sys.executable, "-m", "phalanx", "train", "task=chat", f"model.pretrained={sft / 'final'}",
-                 f"data.train={work / 'more-sft.jsonl'}", cache, "data.val_fraction=0.02", f"train.seed={seed}",
-                 f"train.max_steps={a.dpo_steps}", f"train.lr={a.dpo_lr}", "train.warmup_steps=10", *MODEL,
-                 "--run-dir", str(more)], work / f"more-{seed}.log", work)
-            results["SFT + more SFT"].append(accuracy(more / "final", val))
-            cells.append(results["SFT + more SFT"][-1])
-        shown = " | ".join(f"{c:.1%} ({wilson(c, len(val))[0]:.1%}-{wilson(c, len(val))[1]:.1%})" for c in cells)
-        print(f"| {seed} | {shown} |", flush=True)
-    print("| mean (t 95%) | " + " | ".join(over_seeds(v) for v in results.values() if v) + " |")
+            finals.append(trained([sys.executable, "-m", "phalanx", "train", "task=chat", f"model.pretrained={sft}",
+                                   f"data.train={work / 'more-sft.jsonl'}", f"train.seed={seed}", *dpo_args[1:]],
+                                  work / f"more-{seed}", work))
+        for name, final in zip(names, finals):
+            results[name].append(accuracy(final, val))
+        cells = []
+        for name in names:
+            right, off = results[name][-1]
+            lo, hi = wilson(right, len(val))
+            cells.append(f"{right:.1%} ({lo:.1%}-{hi:.1%}) / {off:.1%}")
+        print(f"| {seed} | {' | '.join(cells)} |", flush=True)
+    print("| mean (t 95%) / mean | " + " | ".join(
+        f"{over_seeds([r for r, _ in v])} / {statistics.fmean(o for _, o in v):.1%}" for v in results.values()) + " |")
 
 
 if __name__ == "__main__":

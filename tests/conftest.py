@@ -101,3 +101,22 @@ def ddp2_reference(tmp_path_factory, cache_dir) -> Path:
     run = tmp_path_factory.mktemp("ddp2-reference")
     phalanx(*lm_args(run, cache_dir, *REFERENCE), "--nproc-per-node", 2, check=True, timeout=240)
     return run
+
+
+def small_gpt2_base(folder: Path, chars: int, vocab: int, positions: int, width: int, **config) -> Path:
+    """`folder`: a small pretrained GPT-2 (2 layers, 2 heads, seed 0) and a BPE tokenizer trained on the first
+    `chars` characters of Tiny Shakespeare, without a chat template (as a pretraining run's final/)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    from phalanx.data import tokenizer as toks
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=toks.train_bpe([SHAKESPEARE.read_text()[:chars]], vocab),
+                                  **toks.SPECIALS["bpe"])
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=positions, n_embd=width, n_layer=2, n_head=2,
+                               eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, **config)
+                    ).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHAKESPEARE, final_params, phalanx, train_losses
+from conftest import SHAKESPEARE, final_params, phalanx, small_gpt2_base, train_losses
 
 from phalanx.core.config import load_config
 from phalanx.core.errors import ConfigError
 from phalanx.data import chat_store, prepare
-from phalanx.data import tokenizer as toks
 
 TINY = ["task=chat", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=96",
         "data.vocab_size=512", "train.log_every=1", "train.eval_every=0", "train.warmup_steps=2", "train.lr=3e-3",
@@ -42,16 +41,7 @@ def talk(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     """A small pretrained GPT-2 with a tokenizer that has no chat template (as a pretraining run's final/)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("base")
-    tok = PreTrainedTokenizerFast(tokenizer_object=toks.train_bpe([SHAKESPEARE.read_text()[:300_000]], 512),
-                                  **toks.SPECIALS["bpe"])
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=128, n_embd=64, n_layer=2, n_head=2,
-                               eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return small_gpt2_base(tmp_path_factory.mktemp("base"), 300_000, 512, positions=128, width=64)
 
 
 def chat_args(run: Path, data: Path, cache: Path, *extra) -> list:

@@ -7,11 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import SHAKESPEARE, metrics, phalanx, train_losses
+from conftest import SHAKESPEARE, metrics, phalanx, small_gpt2_base, train_losses
 from test_chat import assert_same
 
-from phalanx.data import tokenizer as toks
 
 TINY = ["task=preference", "model.block_size=64", "train.log_every=1", "train.eval_every=0", "train.warmup_steps=2",
         "train.lr=1e-3", "train.eval_max_samples=16", "log.progress=lines", "dist.threads_per_worker=1",
@@ -46,17 +44,8 @@ def pairs(tmp_path_factory) -> Path:
 def base(tmp_path_factory) -> Path:
     """A small pretrained GPT-2 with a tokenizer that has no chat template; no dropout (its masks are seeded
     per micro-batch: other micro-batch sizes draw others)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("base")
-    tok = PreTrainedTokenizerFast(tokenizer_object=toks.train_bpe([SHAKESPEARE.read_text()[:200_000]], 400),
-                                  **toks.SPECIALS["bpe"])
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, eos_token_id=tok.eos_token_id,
-                               bos_token_id=tok.eos_token_id)).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return small_gpt2_base(tmp_path_factory.mktemp("base"), 200_000, 400, positions=64, width=32, resid_pdrop=0.0,
+                           embd_pdrop=0.0, attn_pdrop=0.0)
 
 
 def pref_args(run: Path, data: Path, cache: Path, base: Path, *extra) -> list:

@@ -11,11 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SHAKESPEARE
+from conftest import SHAKESPEARE, small_gpt2_base
 
 from phalanx.core.config import load_config
 from phalanx.data import prepare
-from phalanx.data import tokenizer as toks
 from phalanx.data.pref_store import PREFERENCE
 from phalanx.run.trainee import build_trainee
 from phalanx.tasks import pref_reference
@@ -25,16 +24,7 @@ from phalanx.tasks.preference import PreferenceTask
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     """A small pretrained GPT-2 whose tokenizer has no chat template (the template's two tokens are grown)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("base")
-    tok = PreTrainedTokenizerFast(tokenizer_object=toks.train_bpe([SHAKESPEARE.read_text()[:100_000]], 400),
-                                  **toks.SPECIALS["bpe"])
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                               eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return small_gpt2_base(tmp_path_factory.mktemp("base"), 100_000, 400, positions=64, width=32)
 
 
 def write_pairs(path: Path, n: int, offset: int = 0) -> Path:

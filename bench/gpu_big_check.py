@@ -100,22 +100,26 @@ def flash_attention_check(cfg, info, steps: int) -> bool:
     batch = {k: v.to(info.device) if torch.is_tensor(v) else v for k, v in collate_rows(rows, width, 0).items()}
     spans = [(0, 0, 300), (0, 300, 817), (1, 0, 701)]
 
-    def logits(net, inputs: dict) -> torch.Tensor:
+    def logps(net, inputs: dict) -> torch.Tensor:
+        """Each target's log-prob through the task's own forward (the head only at targets), in a grid of the
+        batch's shape (0 where there is none)."""
+        keep = inputs["labels"] != -100
         with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
-            return task.logits(net, inputs).float()
+            got = task.target_logps(net, inputs).logp.float()
+        return torch.zeros(keep.shape, device=keep.device).masked_scatter(keep, got)
 
     def error(packed: torch.Tensor) -> float:
-        """Largest relative difference, over every real token, from each conversation run alone under sdpa
-        (plain transformers: no mask, no position ids)."""
+        """Largest relative difference of a target's log-prob, over every target, from each conversation run
+        alone under sdpa (no mask, no position ids)."""
         worst = 0.0
         for r, a, z in spans:
-            alone = logits(ref, {"input_ids": batch["input_ids"][r:r + 1, a:z]})[0]
-            worst = max(worst, float(((packed[r, a:z] - alone).norm(dim=-1) / alone.norm(dim=-1)).max()))
+            alone = logps(ref, {"input_ids": batch["input_ids"][r:r + 1, a:z], "labels": batch["labels"][r:r + 1, a:z]})[0]
+            worst = max(worst, float(((packed[r, a:z] - alone).abs() / alone.abs().clamp_min(1e-3)).max()))
         return worst
 
-    packed_err = error(logits(model, batch))
+    packed_err = error(logps(model, batch))
     arange = torch.arange(width, device=info.device).expand(2, -1)
-    leaked_err = error(logits(model, {**batch, "position_ids": arange}))
+    leaked_err = error(logps(model, {**batch, "position_ids": arange}))
     model.train()
     opt = build_optimizer(model, cfg.train)
     losses = []

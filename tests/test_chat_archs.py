@@ -20,7 +20,7 @@ from conftest import SHAKESPEARE, phalanx
 
 from phalanx.core.config import load_config
 from phalanx.core.errors import ConfigError
-from phalanx.tasks.chat import IGNORE, ChatTask
+from phalanx.tasks.chat import IGNORE, MODEL_INPUTS, ChatTask
 
 VOCAB, WINDOW = 128, 4
 LENGTHS = (9, 6, 13)          # every one longer than the sliding window
@@ -119,10 +119,11 @@ def alone(ref, conv) -> torch.Tensor:
 
 
 def per_conversation(task, model, batch, spans) -> tuple[list[float], torch.Tensor]:
-    """Loss sum per (row, start, end) span, from the task's own forward; and all logits."""
-    logits = task.logits(model, batch).float()
-    per_token = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
-                                reduction="none").view(batch["labels"].shape)
+    """Loss sum per (row, start, end) span, from the task's own forward (the output head only at the targets);
+    and the logits of a plain forward of the whole batch (pad tails included)."""
+    keep = batch["labels"] != IGNORE
+    per_token = torch.zeros(keep.shape).masked_scatter(keep, -task.target_logps(model, batch).logp.float())
+    logits = model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False).logits
     return [float(per_token[r, a:b].sum()) for r, a, b in spans], logits
 
 
@@ -237,13 +238,14 @@ def test_flash_attention_gets_the_micro_batch_as_one_row(conversations, monkeypa
     task = chat_task()
     batch, spans, order = packed_batch(task, conversations)
     shapes = []
-    model.register_forward_pre_hook(lambda m, args, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
     with torch.no_grad():
-        per_conversation(task, model, batch, spans)
+        task.target_logps(model, batch)
         monkeypatch.setattr(chat, "attention_in_use", lambda m: "flash_attention_2")
-        got, logits = per_conversation(task, model, batch, spans)
+        model.register_forward_pre_hook(lambda m, args, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                        with_kwargs=True)
+        got, _ = per_conversation(task, model, batch, spans)
         want = [float(alone(ref, conversations[c])) for c in order]
-    assert shapes == [(2, WIDTH), (1, 2 * WIDTH)] and logits.shape[:2] == (2, WIDTH)
+    assert shapes[0] == (1, 2 * WIDTH)  # the task's forward; then per_conversation's plain one
     assert got == pytest.approx(want, rel=1e-4, abs=1e-4)
 
 

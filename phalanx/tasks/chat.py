@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from phalanx.core import dist
 from phalanx.core.config import Config, ConfigError, group_by_length, hub_name
@@ -25,12 +24,12 @@ from phalanx.data import chat_store, prepare
 from phalanx.data import tokenizer as toks
 from phalanx.data.samplers import length_grouped_order, shuffled_order
 from phalanx.model.build import attention_in_use, causal_lm, export_entries
+from phalanx.model.head import IGNORE, Targets, target_logprobs
 from phalanx.model import precision
 from phalanx.model.lora import LoraAdapters, adapter_state, is_lora, merged_entries
 from phalanx.model.shard import Builder
 from phalanx.tasks.base import TaskBase
 
-IGNORE = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
@@ -174,27 +173,23 @@ class ChatTask(TaskBase):
     def useful_tokens(self, batch: dict) -> int:
         return int(batch["real_tokens"])
 
-    def logits(self, model, batch: dict) -> torch.Tensor:
-        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        shape = batch["input_ids"].shape
-        if "position_ids" in inputs and shape[0] > 1 and attention_in_use(model) == "flash_attention_2":
+    def target_logps(self, model, batch: dict, correct: bool = False, summed: bool = False) -> Targets:
+        """Each supervised token's log-prob (row-major; `summed`: their sum), the output head run only at those
+        positions (model/head.py); with `correct`, whether the argmax was the target."""
+        inputs, labels = {k: batch[k] for k in MODEL_INPUTS if k in batch}, batch["labels"]
+        if "position_ids" in inputs and labels.shape[0] > 1 and attention_in_use(model) == "flash_attention_2":
             # flash attention reads packed conversations from the position ids of a single row only
-            inputs = {k: v.reshape(1, -1) for k, v in inputs.items()}
-        # use_cache=False: with a key/value cache transformers would not confine packed conversations
-        return model(**inputs, use_cache=False).logits.view(*shape, -1)
+            inputs, labels = {k: v.reshape(1, -1) for k, v in inputs.items()}, labels.reshape(1, -1)
+        return target_logprobs(model, inputs, labels, correct, summed)
 
     def loss_sum(self, model, batch: dict) -> torch.Tensor:
-        return F.cross_entropy(self.logits(model, batch).float().flatten(0, 1), batch["labels"].flatten(),
-                               ignore_index=IGNORE, reduction="sum")
+        return -self.target_logps(model, batch, summed=True).logp
 
     # ---- evaluation -----------------------------------------------------------------------------
     def eval_sums(self, model, batch: dict) -> list[float]:
         """[loss sum, supervised tokens, correct argmax predictions, samples]: additive across ranks."""
-        logits, labels = self.logits(model, batch).float(), batch["labels"]
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-        target = labels != IGNORE
-        correct = (logits.argmax(-1) == labels) & target
-        return [float(loss), float(target.sum()), float(correct.sum()), float(labels.shape[0])]
+        t = self.target_logps(model, batch, correct=True, summed=True)
+        return [float(-t.logp), float(t.correct.numel()), float(t.correct.sum()), float(batch["labels"].shape[0])]
 
     def eval_metrics(self, sums: list[float]) -> dict:
         loss_sum, tokens, correct, samples = sums

@@ -5,16 +5,14 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from phalanx.core.config import Config, ConfigError
 from phalanx.data import lm_store, prepare, store
 from phalanx.data import tokenizer as toks
 from phalanx.data.samplers import WINDOWED, ShardPlan, shuffled_order, windowed_order
 from phalanx.model.build import causal_lm
+from phalanx.model.head import target_logprobs
 from phalanx.tasks.base import TaskBase
-
-IGNORE = -100
 
 
 class PackedBlocks:
@@ -119,10 +117,9 @@ class LMTask(TaskBase):
         return self.batch_tokens(batch)  # packed: no padding
 
     def loss_sum(self, model, batch: dict) -> torch.Tensor:
-        # no key/value cache: nothing reads it, and a checkpointed block's recompute would append to it again
-        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
-                               ignore_index=IGNORE, reduction="sum")
+        """Every position's next-token loss, the output head run in chunks of rows (model/head.py): never a
+        B x T x V tensor."""
+        return -target_logprobs(model, {"input_ids": batch["input_ids"]}, batch["labels"], summed=True).logp
 
     # ---- evaluation -------------------------------------------------------------------------
     def eval_sums(self, model, batch: dict) -> list[float]:

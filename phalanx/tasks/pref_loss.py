@@ -16,21 +16,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100
 # The training-metric sums, in order (additive over micro-batches, ranks and steps)
 SUMS = ("pairs", "loss", "chosen_rewards", "rejected_rewards", "correct", "chosen_logps", "rejected_logps",
         "truncated", "chosen_nll", "chosen_tokens")
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:
-    """Each sequence's summed log-prob of its targets (float64, `n` sequences): token t's label is the
-    target after it, `segments` names the sequence each target belongs to (-1: none)."""
-    per_token = -F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
-                                 reduction="none")
-    seg = segments.flatten()
-    keep = seg >= 0
-    return torch.zeros(n, dtype=torch.float64, device=logits.device).index_add(
-        0, seg[keep], per_token[keep].double())
+def sequence_logps(logp: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:
+    """Each sequence's summed log-prob of its targets (float64, `n` sequences), from each target's log-prob
+    `logp` and the sequence `segments` names for it (-1: none)."""
+    keep = segments >= 0
+    return torch.zeros(n, dtype=torch.float64, device=logp.device).index_add(
+        0, segments[keep], logp[keep].double())
 
 
 def pair_losses(settings, logps: torch.Tensor, ref: torch.Tensor | None,

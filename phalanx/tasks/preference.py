@@ -115,7 +115,8 @@ class PreferenceTask(ChatTask):
 
     def sequence_logps(self, model, batch: dict) -> torch.Tensor:
         """(pairs, 2) summed log-probs of each pair's chosen and rejected targets under `model`."""
-        logps = pref_loss.sequence_logps(self.logits(model, batch), batch["labels"], batch["segments"],
+        targets = batch["labels"] != IGNORE  # the head runs only there (model/head.py)
+        logps = pref_loss.sequence_logps(self.target_logps(model, batch).logp, batch["segments"][targets],
                                          2 * batch["pairs"])
         return logps.view(-1, 2)
 

@@ -93,11 +93,12 @@ def cmd_prepare(args) -> int:
     )
     from phalanx.data.prepare import describe
     from phalanx.tasks import prepare_data
+    from phalanx.tools.launch import resolve_pretrained
 
     if args.workers < 0 or args.show < 0:
         raise ConfigError(f"--workers and --show: expected >= 0, got {args.workers} and {args.show}")
     config, overrides = _split_config_and_overrides(args.items)
-    cfg = load_config(config, overrides)
+    cfg = resolve_pretrained(load_config(config, overrides))  # a GGUF base: its tokenizer is in its folder
     shows = {"chat": "phalanx.tasks.chat", "preference": "phalanx.tasks.preference"}  # tasks with show_examples
     if args.show and cfg.task not in shows:
         raise ConfigError(f"--show: shows rendered conversations (task chat) or pairs (task preference); this "

@@ -120,3 +120,21 @@ def small_gpt2_base(folder: Path, chars: int, vocab: int, positions: int, width:
     tok.save_pretrained(folder)
     return folder
 
+
+
+SMOLLM2_GGUF = REPO.parent / "shared" / "models" / "smollm2-135m-instruct-gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(cache_dir) -> Path:
+    """The shared SmolLM2-135M-Instruct (GGUF Q4_1) dequantised once per session through phalanx's own
+    resolution (tools/launch.resolve_pretrained) into the session cache: a plain fp32 folder (config,
+    safetensors, tokenizer with its chat template). Runs with data.cache_dir=cache_dir and
+    model.pretrained=SMOLLM2_GGUF find it there and do not dequantise again."""
+    if not SMOLLM2_GGUF.is_file():
+        pytest.skip(f"{SMOLLM2_GGUF} is not there (see ../shared/models/README.md)")
+    from phalanx.core.config import load_config
+    from phalanx.tools.launch import resolve_pretrained
+
+    cfg = load_config(None, [f"model.pretrained={SMOLLM2_GGUF}", f"data.cache_dir={cache_dir}"])
+    return Path(resolve_pretrained(cfg).model.pretrained)

@@ -181,8 +181,11 @@ class PreferenceConfig:
 class ModelConfig:
     arch: str = _f("gpt2", "architecture of a model built from scratch",
                    choices=["gpt2", "llama", "bert", "roberta", "distilbert"])
-    pretrained: str = _f("", "start from a pretrained model: a local folder or 'hf:NAME'; "
-                         "empty = random init from the fields below", path=True)
+    pretrained: str = _f("", "start from a pretrained model: a local folder, 'hf:NAME', or a GGUF file "
+                         "(llama.cpp, Ollama; 'hf:OWNER/REPO/FILE.gguf' fetches one from the hub), which the "
+                         "launcher dequantises once to an fp32 folder in data.cache_dir's gguf/ that RUN/config.yaml "
+                         "then names (the base's identity: the GGUF's sha256); empty = random init from the fields "
+                         "below", path=True)
     n_layer: int = _f(4, "transformer blocks", min=1, max=512)
     n_head: int = _f(4, "attention heads", min=1, max=512)
     n_embd: int = _f(256, "hidden width (divisible by n_head)", min=8, max=65536)

@@ -1,7 +1,8 @@
 """Hugging Face hub names in a config, checked before any worker starts.
 
 `data.train` / `data.validation` = 'hf:NAME[:CONFIG]' (a dataset), `data.tokenizer` = 'hf:NAME' (a tokenizer),
-`model.pretrained` = 'hf:NAME' (a model, and its tokenizer unless `data.tokenizer` names one). A name is
+`model.pretrained` = 'hf:NAME' (a model, and its tokenizer unless `data.tokenizer` names one), or
+'hf:OWNER/REPO/FILE.gguf' (one GGUF file of a model repo, fetched alone by `gguf_file`). A name is
 usable when it is in the local Hugging Face cache or the hub answers one quick request for it; otherwise
 `check_hub_names` raises a one-line ConfigError (exit 2) saying how to work offline, instead of the loaders'
 retries with back-off and a worker traceback. 'hf:/a/local/folder' (a dataset or model folder on disk) needs
@@ -32,7 +33,7 @@ def hub_specs(cfg: Config, data: bool = True) -> list[tuple[str, str, str, str]]
             out.append((key, name, subset, "dataset"))
     if d.tokenizer.startswith("hf:"):
         out.append(("data.tokenizer", d.tokenizer[3:], "", "tokenizer"))
-    if cfg.model.pretrained.startswith("hf:"):
+    if cfg.model.pretrained.startswith("hf:") and not is_gguf_name(cfg.model.pretrained):  # a file: gguf_file
         out.append(("model.pretrained", cfg.model.pretrained[3:], "", "model"))
     return out
 
@@ -57,6 +58,42 @@ def check_hub_names(cfg: Config, data: bool = True) -> None:
         raise ConfigError(f"config key '{key}': {what} is not in the local Hugging Face cache "
                           f"({_cache_of(kind)}) and the hub is unreachable ({status}); "
                           f"{offline_how(name, subset, kind)}")
+
+
+def is_gguf_name(spec: str) -> bool:
+    """'hf:OWNER/REPO/FILE.gguf': one GGUF file of a hub model repo (model.pretrained)."""
+    return spec.startswith("hf:") and spec.lower().endswith(".gguf")
+
+
+def gguf_file(spec: str, key: str = "model.pretrained") -> Path:
+    """The local path of 'hf:OWNER/REPO/FILE.gguf' ('hf:/a/local/file.gguf' is that file): from the local
+    Hugging Face cache, else downloaded alone after one quick probe (offline: one line, not retries)."""
+    name = spec[3:]
+    if _is_local(key, name):
+        return Path(name).expanduser()
+    parts = name.split("/")
+    repo, filename = "/".join(parts[:2]), "/".join(parts[2:])
+    if not filename:
+        raise ConfigError(f"config key '{key}': expected 'hf:OWNER/REPO/FILE.gguf' (a GGUF file of a hub model "
+                          f"repo), got '{spec}'")
+    _check_valid(key, repo)
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache  # lazy: only a hub name needs it
+    from huggingface_hub.errors import EntryNotFoundError
+
+    cached = try_to_load_from_cache(repo, filename, cache_dir=hub_cache(), repo_type="model")
+    if isinstance(cached, str):
+        return Path(cached)
+    status, what = _probe(repo, "model"), f"hub file '{filename}' of model '{repo}'"
+    if status == "missing":
+        raise ConfigError(f"config key '{key}': hub model '{repo}' not found on the Hugging Face hub (a private or "
+                          f"misspelled name?) and not in the local cache")
+    if status != "ok":
+        raise ConfigError(f"config key '{key}': {what} is not in the local Hugging Face cache ({hub_cache()}) and "
+                          f"the hub is unreachable ({status}); {offline_how(f'{repo} {filename}', '', 'model')}")
+    try:
+        return Path(hf_hub_download(repo, filename, cache_dir=hub_cache()))
+    except EntryNotFoundError:
+        raise ConfigError(f"config key '{key}': {what} not found on the Hugging Face hub") from None
 
 
 def offline_how(name: str, subset: str, kind: str) -> str:

@@ -8,7 +8,9 @@ identity; any changed byte changes it. Hashing streams 8 MB reads (constant memo
 core on this shared machine, page-cached; the files of a sharded base on threads) and each file's digest
 is cached under the phalanx cache folder by (real path, size, mtime_ns, inode, device), so a base is read
 once per place it lives, not once per run or checkpoint. A hub name's identity is `hf:NAME@COMMIT`, the
-snapshot's commit (a hub name alone is not versioned).
+snapshot's commit (a hub name alone is not versioned). A GGUF base's identity is the SHA-256 of the GGUF
+file's bytes (`sha256sum` prints it), whether named as the file or as the folder it was dequantised into
+(read from the folder's marker, model/gguf.py): a checkpoint's base identity then names the GGUF.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from phalanx.core.config import hub_name
+from phalanx.model import gguf
 from phalanx.model.weights import CONFIG, file_names, weight_files
 
 READ_BYTES = 8 << 20
@@ -31,8 +34,13 @@ def base_identity(spec: str, cache_dir: Path) -> str:
     if not spec:
         return ""
     folder = Path(hub_name(spec))
+    if folder.is_file():  # a GGUF file not yet resolved to its folder (tools/launch.resolve_pretrained)
+        return "sha256:" + file_digest(folder, Path(cache_dir))
     if not folder.is_dir():
         return f"hf:{hub_name(spec)}@{hub_commit(hub_name(spec))}"
+    dequantised = gguf.marker(folder)
+    if dequantised:
+        return "sha256:" + dequantised["sha256"]
     found = weight_files(folder)
     names = [n for n in [CONFIG, *(file_names(found) if found is not None else [])] if (folder / n).is_file()]
     # files on threads: hashlib releases the GIL, so a sharded base hashes on several cores

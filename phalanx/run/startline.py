@@ -6,7 +6,7 @@ import torch
 
 from phalanx.core import dist
 from phalanx.core.config import Config
-from phalanx.model import precision
+from phalanx.model import gguf, precision
 from phalanx.model.build import attention_in_use, count_parameters
 from phalanx.model.lora import trainable_parameters
 from phalanx.model.optim import optimizer_impl
@@ -17,6 +17,7 @@ def start_line(cfg: Config, info: dist.DistInfo, tr, accum: int) -> str:
     t = cfg.train
     attention = attention_in_use(tr.model)  # what runs: model.attn_implementation, or the model's default
     auto = " (auto)" if cfg.model.attn_implementation == "auto" else ""
+    base = gguf.describe(cfg.model.pretrained)  # a base dequantised from GGUF: which file, where
     return (f"phalanx: task {cfg.task}, {count_parameters(tr.model) / 1e6:.2f}M parameters, world size "
             f"{info.world_size} ({info.backend}, {torch.get_num_threads()} threads/process), global batch "
             f"{t.global_batch_size} = micro {t.micro_batch_size} x world {info.world_size} x accum {accum}, "
@@ -25,7 +26,8 @@ def start_line(cfg: Config, info: dist.DistInfo, tr, accum: int) -> str:
             + (f", attention {attention}{auto}" if attention else "")
             + (f", tf32 {'on' if t.tf32 else 'off'}" if info.device.type == "cuda" else "")
             + (f", {lora_clause(cfg, tr)}" if cfg.model.lora.r else "")
-            + (f", {tr.added}" if tr.added else ""))
+            + (f", {tr.added}" if tr.added else "")
+            + (f", {base}" if base else ""))
 
 
 def lora_clause(cfg: Config, tr) -> str:

@@ -17,6 +17,7 @@ import signal
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import NoReturn
 
@@ -32,6 +33,7 @@ from phalanx.core.config import (
     ConfigError,
     check_world,
     comparable,
+    hub_name,
     load_config,
     relevant_subset,
     save_yaml,
@@ -44,11 +46,11 @@ from phalanx.core.runfolder import (
     RunFolder,
     read_json,
 )
-from phalanx.data.cache import cache_root
-from phalanx.data.hub import check_hub_names
-from phalanx.model import precision
+from phalanx.data.cache import build_once, cache_root
+from phalanx.data.hub import check_hub_names, gguf_file, is_gguf_name
+from phalanx.model import gguf, precision
 from phalanx.model.build import check_attention
-from phalanx.model.identity import base_identity
+from phalanx.model.identity import base_identity, file_digest
 from phalanx.run.checkpoint import CheckpointError, check_safe, read_meta, resolve_resume
 from phalanx.run.watchdog import summarize
 from phalanx.run.worker import serve
@@ -85,6 +87,34 @@ def check_flags(nproc_per_node: int, nnodes: str, rdzv_endpoint: str, rdzv_id: s
                           f"65535, got {rdzv_endpoint!r}")
     if rdzv_id and not re.fullmatch(r"[A-Za-z0-9._-]+", rdzv_id):
         raise ConfigError(f"--rdzv-id: expected letters, digits, '.', '_' or '-', got {rdzv_id!r}")
+
+
+def resolve_pretrained(cfg: Config, builds: bool = True) -> Config:
+    """model.pretrained naming a GGUF file (a path, or 'hf:OWNER/REPO/FILE.gguf') -> the same config naming the
+    file's dequantised fp32 folder in the cache (CACHE/gguf/<its sha256>, built once per content: model/gguf.py).
+    Called first, before anything else reads model.pretrained (resume check, memory plan, weight check, data
+    step, workers): RUN/config.yaml records the folder, whose gguf.json names the file, and the same command
+    finds the same folder again, so it resumes. `builds=False` (not the node's first process under an outside
+    torchrun/srun): wait for that process to build it. Any other file there is exit 2 saying what is accepted."""
+    spec = cfg.model.pretrained
+    local = Path(hub_name(spec)).expanduser()
+    if not spec or local.is_dir() or (not local.is_file() and not is_gguf_name(spec)):
+        return cfg  # from scratch, a folder, or a hub repo
+    path = local if local.is_file() else gguf_file(spec)
+    header = gguf.check(path)
+    root = cache_root(cfg.data.cache_dir).absolute()
+    sha = file_digest(path, root)
+    folder = root / "gguf" / gguf.folder_name(sha)
+    if not folder.exists() and builds:
+        print(f"phalanx: dequantising {path.name} ({header.architecture}; {', '.join(header.quant_types)}) to "
+              f"fp32 in {folder}", flush=True)
+        started = time.perf_counter()
+        source = spec if spec.startswith("hf:") and not local.is_file() else str(path.absolute())
+        build_once(folder, partial(gguf.dequantise, path, source, sha, header))
+        print(f"phalanx: dequantised in {time.perf_counter() - started:.1f} s", flush=True)
+    elif not folder.exists():
+        gguf.wait_for(folder, path, cfg.dist.startup_timeout_s)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=str(folder)))
 
 
 def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool = False) -> None:
@@ -203,6 +233,7 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     run_dir = Path(cfg.run_dir)
     check_flags(nproc_per_node, nnodes, rdzv_endpoint, rdzv_id, max_restarts)
     check_multinode(nnodes, rdzv_endpoint, fresh)
+    cfg = resolve_pretrained(cfg)  # a GGUF file -> its dequantised folder, for everything below
     # --fresh: the old run goes aside below, so its checkpoints are not this run's to check
     preflight(dataclasses.replace(cfg, resume="never") if fresh else cfg, nproc_per_node, nnodes, force_resume)
     # Not overlapped with the data step in a thread: transformers' lazy imports are not thread-safe (a chat
@@ -340,7 +371,9 @@ def ending(folder: RunFolder, failure: GroupFailure | None) -> tuple[str, int, s
 
 def run_as_worker(cfg: Config) -> NoReturn:
     """Already inside torchrun/srun: be that worker instead of launching again, through the one worker
-    entry point (run/worker.serve: the rank's error record, exit without the Gloo teardown)."""
+    entry point (run/worker.serve: the rank's error record, exit without the Gloo teardown). A GGUF base is
+    dequantised by the node's first process; the others wait for its folder."""
+    cfg = resolve_pretrained(cfg, builds=os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0")
     get_task(cfg.task).check_config(cfg)
     check_world(cfg, int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))))
     check_hardware(cfg)

@@ -175,6 +175,12 @@ class PreferenceConfig:
                         choices=["auto", "adapters_off", "precomputed", "model"])
     reference_dtype: str = _f("fp32", "reference=model: the dtype the frozen copy is stored in (its compute "
                               "dtype is train.precision's)", choices=["fp32", "bf16", "fp16"])
+    disable_dropout: bool = _f(True, "zero every dropout of the policy and of a reference=model copy, as TRL's "
+                               "DPOConfig.disable_dropout (default true) does: every nn.Dropout's p (peft's LoRA "
+                               "dropout included), and the float attention_dropout that the Llama-family attention "
+                               "(llama, mistral, qwen2/3, gemma2/3, phi3) reads at forward time, which TRL's rule "
+                               "misses. With dropout on, the first step's sigmoid loss is not log 2 and the "
+                               "margins pick up noise. Task chat keeps the model's dropout, as TRL's SFT does")
 
 
 @dataclass
@@ -325,8 +331,9 @@ class LogConfig:
 class DebugConfig:
     fault: str = _f("", "test-only fault injection, e.g. 'kill:rank=1:step=5', 'raise:rank=0:step=3', "
                     "'sleep:rank=1:step=3:seconds=60', 'nan:step=4', 'slow:rank=1:step=0:seconds=0.05' "
-                    "(sleeps in every step from step on) (attempt=N limits it to one elastic attempt, "
-                    "default 0)")
+                    "(sleeps in every step from step on), 'slow_reference:seconds=0.5' (sleeps in every "
+                    "micro-batch of the precomputed reference pass; step is optional) (attempt=N limits it to "
+                    "one elastic attempt, default 0)")
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """Test-only fault injection (`debug.fault`), so failure handling is tested with real failures.
 
-Form: `KIND:key=value:...` with KIND one of kill, raise, sleep, nan, slow, kill_in_checkpoint and keys
-rank (default: every rank), step (the optimizer step at which it fires), attempt (elastic attempt,
-default 0), seconds (sleep, slow). `slow` fires at every step from `step` on (a straggler: the rank
-sleeps in its data phase). The loop reaches faults only through run/probe.py's `Probe`, which also
-decides the phase of a step where each kind fires.
+Form: `KIND:key=value:...` with KIND one of kill, raise, sleep, nan, slow, kill_in_checkpoint,
+slow_reference and keys rank (default: every rank), step (the optimizer step at which it fires), attempt
+(elastic attempt, default 0), seconds (sleep, slow, slow_reference). `slow` fires at every step from `step`
+on (a straggler: the rank sleeps in its data phase). `slow_reference` sleeps in every micro-batch of the
+precomputed reference pass of preference tuning (before step 0: its step is optional, -1). The loop
+reaches faults only through run/probe.py's `Probe`, which also decides the phase of a step where each kind
+fires.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 
 from phalanx.core.errors import ConfigError
 
-KINDS = ("kill", "raise", "sleep", "nan", "kill_in_checkpoint", "slow")
+KINDS = ("kill", "raise", "sleep", "nan", "kill_in_checkpoint", "slow", "slow_reference")
+REPEATING = ("slow", "slow_reference")  # fire at every step (or micro-batch) from `step` on
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class Fault:
     seconds: float = 0.0
 
     def applies(self, rank: int, step: int, attempt: int) -> bool:
-        at_step = step >= self.step if self.kind == "slow" else step == self.step
+        at_step = step >= self.step if self.kind in REPEATING else step == self.step
         return at_step and attempt == self.attempt and self.rank in (None, rank)
 
 
@@ -47,6 +50,8 @@ def parse_fault(text: str) -> Fault | None:
             fields[key] = float(value) if key == "seconds" else int(value)
         except ValueError:
             raise ConfigError(f"config key 'debug.fault': {key} must be a number, got {value!r}") from None
+    if kind == "slow_reference":
+        fields.setdefault("step", -1)  # the pass runs before step 0
     if "step" not in fields:
         raise ConfigError("config key 'debug.fault': needs step=N")
     return Fault(kind=kind, **fields)
@@ -58,5 +63,5 @@ def fire(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == "raise":
         raise RuntimeError(f"injected failure (debug.fault) at step {fault.step}")
-    elif fault.kind in ("sleep", "slow"):
+    elif fault.kind in ("sleep", *REPEATING):
         time.sleep(fault.seconds)

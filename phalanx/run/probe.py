@@ -9,9 +9,11 @@ from phalanx.core.faults import Fault, fire
 from phalanx.run.memphases import PhasePeaks
 from phalanx.run.watchdog import Phase, Watchdog
 
-# Where in a step each fault kind fires. `slow` is a straggler: it sleeps in its data phase every step.
+# Where in a step each fault kind fires. `slow` is a straggler: it sleeps in its data phase every step;
+# `slow_reference` in every micro-batch of the precomputed reference pass (before step 0).
 PHASE_OF = {"kill": Phase.START, "raise": Phase.START, "sleep": Phase.START, "slow": Phase.DATA,
-            "nan": Phase.FORWARD, "kill_in_checkpoint": Phase.CHECKPOINT_WRITTEN}
+            "nan": Phase.FORWARD, "kill_in_checkpoint": Phase.CHECKPOINT_WRITTEN,
+            "slow_reference": Phase.REFERENCE}
 
 
 class Probe:

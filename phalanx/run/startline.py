@@ -26,6 +26,8 @@ def start_line(cfg: Config, info: dist.DistInfo, tr, accum: int) -> str:
             + (f", attention {attention}{auto}" if attention else "")
             + (f", tf32 {'on' if t.tf32 else 'off'}" if info.device.type == "cuda" else "")
             + (f", {lora_clause(cfg, tr)}" if cfg.model.lora.r else "")
+            + (", dropout off (preference.disable_dropout)" if cfg.task == "preference"
+               and cfg.preference.disable_dropout else "")
             + (f", {tr.added}" if tr.added else "")
             + (f", {base}" if base else ""))
 

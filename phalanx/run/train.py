@@ -89,7 +89,10 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     task = get_task(cfg.task)(cfg, info)
     task.open_data()
     tr = build_trainee(cfg, info, task)
-    task.attach(tr)  # before a checkpoint is loaded: the model holds its initial weights
+    probe = Probe(watchdog, parse_fault(cfg.debug.fault), info.rank, info.attempt, memory)
+    # before a checkpoint is loaded: the model holds its initial weights; a long pass (preference tuning's
+    # precomputed reference) beats the watchdog per micro-batch
+    task.attach(tr, beat=lambda micro: probe(-1, Phase.REFERENCE, micro))
     say(info, start_line(cfg, info, tr, accum))
     state = TrainState(data_order=order_version(cfg.data.order, cfg.data.store_url))  # a resume keeps its own
     checkpointer, saved = Checkpointer(folder.root, info, t.keep_checkpoints), checkpoint_dict(tr, state)
@@ -100,7 +103,6 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
                       start_step=state.step, cfg=cfg)
     if resumed:
         monitor.log(resumed)
-    probe = Probe(watchdog, parse_fault(cfg.debug.fault), info.rank, info.attempt, memory)
     run = Run(cfg, info, folder, probe, monitor,
               checkpointer, saved, start_step=state.step, started_at=started_at,
               clock=StepClock.for_device(info.device))

@@ -27,7 +27,9 @@ class Phase(str, Enum):  # not StrEnum: that is Python 3.11+, the floor is 3.10
     EVAL = "eval"
     CHECKPOINT = "checkpoint"
     CHECKPOINT_WRITTEN = "checkpoint_written"   # this rank's shards are on disk
-    START = "start"
+    START = "start"                             # (step -1: start-up, the position before any beat)
+    REFERENCE = "reference"                     # step -1 only: the precomputed reference pass of preference
+                                                # tuning, one beat per micro-batch (after start-up, before step 0)
     DATA = "data"                               # this rank's micro-batches are read and collated
     SYNC = "sync"                               # the step's one-vector all-reduce (counts, stop votes)
     FORWARD = "forward"
@@ -92,11 +94,14 @@ class Watchdog:
 
 
 def _key(pos: dict) -> tuple:
-    """Where a rank is, as a sortable tuple. Micro-batch numbers order only the forward/backward phases
-    (which repeat per micro-batch): a rank at the optimizer is past every micro-batch."""
+    """Where a rank is, as a sortable tuple. Micro-batch numbers order only the phases that repeat per
+    micro-batch (forward/backward; the reference pass before step 0): a rank at the optimizer is past every
+    micro-batch."""
     phase = _ORDER.get(pos.get("phase"), _ORDER[Phase.START])
     if _ORDER[Phase.FORWARD] <= phase <= _ORDER[Phase.BACKWARD]:
         stage, micro = 1, pos.get("micro", 0)
+    elif phase == _ORDER[Phase.REFERENCE]:
+        stage, micro = 0, pos.get("micro", 0)
     else:
         stage, micro = (0 if phase < _ORDER[Phase.FORWARD] else 2), 0
     return pos.get("step", -1), stage, micro, phase

@@ -11,7 +11,8 @@
                   and template, truncation: the store folder and index), the pass's compute precision, stored
                   dtype and attention implementation. Later runs with the same key read it; a run whose key
                   differs computes its own, never reads another's. The pass is cut into chunks of CHUNK pairs,
-                  each written when done, so a killed pass resumes (on any world size) where it stopped.
+                  each written when done, so a killed pass resumes (on any world size) where it stopped; it
+                  beats the hang watchdog per micro-batch and shows its progress on the main rank.
     none          simpo needs no reference.
 
 Every kind runs the reference in eval mode (no dropout) under the step's autocast, so the three agree.
@@ -23,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -116,26 +118,28 @@ def reference_logps(task, model: torch.nn.Module, batch: dict) -> torch.Tensor:
             p.requires_grad_(True)
 
 
-def attach(task, trainee) -> Reference:
-    """The run's reference, built or computed now (the policy holds its initial weights)."""
+def attach(task, trainee, beat=None) -> Reference:
+    """The run's reference, built or computed now (the policy holds its initial weights). `beat(k)`: the hang
+    watchdog's beat, once per micro-batch of a precomputed pass."""
     name = kind(task.cfg)
     if name == "adapters_off":
         return Reference(name, task, trainee.model)
     if name == "model":
         return Reference(name, task, frozen_copy(task, trainee))
     if name == "precomputed":
-        precompute(task, trainee)
+        precompute(task, trainee, beat)
     return Reference(name, task)
 
 
 def frozen_copy(task, trainee) -> torch.nn.Module:
     """The reference model: built like the policy (its Builder: sharded under fsdp), without adapters, every
-    parameter frozen and stored in preference.reference_dtype."""
+    parameter frozen and stored in preference.reference_dtype; without dropout as the policy
+    (preference.disable_dropout), although it only ever runs in eval mode."""
     cfg, info = task.cfg, task.info
     builder = model_builder(cfg.train, info.device, info.world_size, trainee.amp_dtype,
                             DTYPES[cfg.preference.reference_dtype])
-    return builder.build(task.define_model, cfg.model.pretrained, mismatched=task.MISMATCHED,
-                         adapters=Frozen()).eval()
+    return task.without_dropout(builder.build(task.define_model, cfg.model.pretrained, mismatched=task.MISMATCHED,
+                                              adapters=Frozen())).eval()
 
 
 # ---- precomputed ------------------------------------------------------------------------------
@@ -157,9 +161,10 @@ def folder_of(store: Path, what: dict) -> Path:
     return store / f"reference-{digest}"
 
 
-def precompute(task, trainee) -> None:
+def precompute(task, trainee, beat=None) -> None:
     """Every pair's reference log-probs for the training and validation pairs: read where this key's were
-    written, else computed now by all ranks (and written by each node's first process)."""
+    written, else computed now by all ranks (and written by each node's first process); `beat(k)` once per
+    micro-batch of the pass."""
     done: dict[Path, np.ndarray] = {}
     for dataset in (task.train_set, task.val_set):
         pairs = dataset.pairs
@@ -169,7 +174,7 @@ def precompute(task, trainee) -> None:
             done[pairs.folder] = stored(out, what, pairs.n)
             how = "read from"
             if done[pairs.folder] is None:
-                done[pairs.folder], how = compute(task, trainee, pairs, out, what), "computed into"
+                done[pairs.folder], how = compute(task, trainee, pairs, out, what, beat), "computed into"
             if task.info.is_main:
                 print(f"phalanx: reference log-probs of {pairs.n:,} pairs {how} {out} in "
                       f"{time.perf_counter() - t0:.1f} s", flush=True)
@@ -187,12 +192,14 @@ def stored(out: Path, what: dict, n: int) -> np.ndarray | None:
     return values if values.shape == (n, 2) else None
 
 
-def compute(task, trainee, pairs, out: Path, what: dict) -> np.ndarray:
-    """The distributed pass: chunks not yet written are dealt to the ranks in turn; each round's results are
-    gathered to every rank, and each node's first process writes them. Under FSDP every rank runs as many
-    forwards as the round's largest chunk needs (a rank with less runs throw-away batches: FSDP's forwards
-    are collective)."""
-    info, micro = task.info, task.cfg.train.micro_batch_size
+def compute(task, trainee, pairs, out: Path, what: dict, beat=None) -> np.ndarray:
+    """The distributed pass: chunks not yet written are dealt to the ranks in turn, one per rank per round, each
+    run in micro-batches. After every micro-batch the ranks gather its log-probs (with the pairs and tokens
+    done, for the progress line), so a rank waits at most one of another's micro-batches, and each calls
+    `beat(k)` (the hang watchdog) per micro-batch: a chunk may take longer than dist.startup_timeout_s. At the
+    end of a round each node's first process writes its chunks. Under FSDP every rank runs a forward in each
+    micro-batch of the round (a rank with less runs throw-away batches: FSDP's forwards are collective)."""
+    info, micro, beat = task.info, task.cfg.train.micro_batch_size, beat or (lambda k: None)
     collective = task.cfg.train.strategy == "fsdp" and info.world_size > 1
     if info.is_local_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -201,24 +208,33 @@ def compute(task, trainee, pairs, out: Path, what: dict) -> np.ndarray:
     # missing on any node is missing: every rank then deals the same list
     missing = dist.all_reduce([float(not (out / _chunk(c)).is_file()) for c in range(chunks)], info, "max")
     todo = [c for c, m in enumerate(missing) if m]
-    model = trainee.model
-    for r in range(0, len(todo), info.world_size):
-        mine = todo[r + info.rank] if r + info.rank < len(todo) else None
-        ids = range(mine * CHUNK, min(pairs.n, (mine + 1) * CHUNK)) if mine is not None else range(0)
-        largest = max(min(pairs.n, (c + 1) * CHUNK) - c * CHUNK for c in todo[r:r + info.world_size])
-        values = []
-        for b in range(math.ceil((largest if collective else len(ids)) / micro)):
-            sub = list(ids[b * micro:(b + 1) * micro])
-            batch = dist.to_device(task.collate_pairs(pairs, [[p] for p in (sub or [0])], None), info.device)
-            with trainee.autocast():
-                got = reference_logps(task, model, batch)
-            if sub:
-                values.append(got.double().cpu())
-        flat = torch.cat(values).flatten().tolist() if values else []
-        rows = dist.all_gather_floats([*flat, *[0.0] * (2 * CHUNK - len(flat)), float(len(flat) // 2)], info)
-        for j, row in enumerate(rows):
-            if r + j < len(todo) and info.is_local_main:
-                _save(out / _chunk(todo[r + j]), np.asarray(row[:2 * int(row[-1])]).reshape(-1, 2))
+    progress = PassProgress(task.cfg.log.progress if info.is_main else "off", pairs.n,
+                            pairs.n - sum(len(_pairs_of(c, pairs.n)) for c in todo))
+    model, k = trainee.model, 0
+    try:
+        for r in range(0, len(todo), info.world_size):
+            dealt = todo[r:r + info.world_size]  # rank j runs chunk dealt[j]
+            ids = _pairs_of(dealt[info.rank], pairs.n) if info.rank < len(dealt) else range(0)
+            got: list[list[float]] = [[] for _ in dealt]
+            for b in range(math.ceil(max(len(_pairs_of(c, pairs.n)) for c in dealt) / micro)):
+                beat(k)
+                k += 1
+                sub, flat, tokens = list(ids[b * micro:(b + 1) * micro]), [], 0
+                if sub or collective:
+                    batch = task.collate_pairs(pairs, [[p] for p in (sub or [0])], None)
+                    tokens = task.useful_tokens(batch) if sub else 0
+                    with trainee.autocast():
+                        values = reference_logps(task, model, dist.to_device(batch, info.device))
+                    flat = values.double().flatten().tolist() if sub else []
+                rows = dist.all_gather_floats([*flat, *[0.0] * (2 * micro - len(flat)), len(flat) // 2, tokens], info)
+                for j in range(len(dealt)):
+                    got[j].extend(rows[j][:2 * int(rows[j][-2])])
+                progress.update(int(sum(row[-2] for row in rows)), sum(row[-1] for row in rows))
+            if info.is_local_main:
+                for c, values in zip(dealt, got):
+                    _save(out / _chunk(c), np.asarray(values).reshape(-1, 2))
+    finally:
+        progress.close()
     dist.barrier(info)
     if info.is_local_main:
         values = np.concatenate([np.load(out / _chunk(c)) for c in range(chunks)])
@@ -229,6 +245,57 @@ def compute(task, trainee, pairs, out: Path, what: dict) -> np.ndarray:
             (out / _chunk(c)).unlink(missing_ok=True)
     dist.barrier(info)
     return np.load(out / "logps.npy")
+
+
+class PassProgress:
+    """The pass's progress on the main rank, as log.progress asks (auto: a bar on an interactive terminal, else
+    lines; off: nothing): pairs done / total (those an earlier, killed pass wrote count as done), pairs/s and
+    (non-padding) tokens/s of this pass, and the time left. Lines after the first micro-batch (the first
+    estimate), then every EVERY_S seconds, and at the end, like the training loop's:
+    `reference pass   1,024/3,000 pairs | 12.3 pairs/s |     4567 tok/s | eta 2:41`."""
+    EVERY_S = 30.0
+
+    def __init__(self, mode: str, total: int, done: int):
+        self.mode = ("bar" if sys.stderr.isatty() else "lines") if mode == "auto" else mode
+        self.total, self.done, self.pairs, self.tokens = total, done, 0, 0.0
+        self.t0 = self.shown = time.perf_counter()
+        self.first, self.bar = True, None
+        if self.mode == "bar":
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=done, unit="pair", desc="reference pass", file=sys.stderr,
+                            dynamic_ncols=True, mininterval=0.5)
+
+    def update(self, pairs: int, tokens: float) -> None:
+        self.done, self.pairs, self.tokens = self.done + pairs, self.pairs + pairs, self.tokens + tokens
+        now = time.perf_counter()
+        elapsed = max(now - self.t0, 1e-9)
+        if self.bar is not None:
+            self.bar.set_postfix(tok_s=f"{self.tokens / elapsed:.0f}", refresh=False)
+            self.bar.update(pairs)
+        elif self.mode == "lines" and (self.first or now - self.shown >= self.EVERY_S or self.done >= self.total):
+            rate = self.pairs / elapsed
+            eta = (self.total - self.done) / rate if rate > 0 else math.inf
+            print(f"reference pass {self.done:>8,}/{self.total:,} pairs | {rate:.1f} pairs/s | "
+                  f"{self.tokens / elapsed:>8.0f} tok/s | eta {_fmt_time(eta)}", flush=True)
+            self.first, self.shown = False, now
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fmt_time(seconds: float) -> str:
+    """As the training loop's progress lines (run/monitor.py): m:ss or h:mm:ss."""
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def _pairs_of(c: int, n: int) -> range:
+    """The pairs of chunk c (of n pairs)."""
+    return range(c * CHUNK, min(n, (c + 1) * CHUNK))
 
 
 def _chunk(c: int) -> str:

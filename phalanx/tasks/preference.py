@@ -69,8 +69,19 @@ class PreferenceTask(ChatTask):
         self.tokenizer = toks.load_saved(self.data.tokenizer_dir)
         self.train_set, self.val_set = self.data.train, self.data.validation
 
-    def attach(self, trainee) -> None:
-        self.reference = pref_reference.attach(self, trainee)
+    def build_model(self, builder=None) -> torch.nn.Module:
+        """Chat's model (with its adapters), without dropout under preference.disable_dropout."""
+        return self.without_dropout(super().build_model(builder))
+
+    def without_dropout(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` with every dropout zeroed (disable_dropout) where preference.disable_dropout asks (as TRL's
+        DPOConfig.disable_dropout does, for the policy and the reference copy); the model itself."""
+        if self.cfg.preference.disable_dropout:
+            disable_dropout(model)
+        return model
+
+    def attach(self, trainee, beat=None) -> None:
+        self.reference = pref_reference.attach(self, trainee, beat)
 
     def collate(self, dataset: PairSet, indices) -> dict:
         groups = [dataset.pair_ids(int(i)) for i in indices]
@@ -159,6 +170,20 @@ class PreferenceTask(ChatTask):
         return {"train_samples": len(self.train_set), "val_samples": len(self.val_set),
                 "vocab_size": len(self.tokenizer), "reference": self.reference.name,
                 **{f"data_{k}": s[k] for k in keys if k in s}}
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """TRL's rule (trl.trainer.utils.disable_dropout_in_model: every nn.Dropout gets p = 0; peft's LoRA dropout
+    is one), and what it misses: the attention of the Llama family (llama, mistral, qwen2, qwen3, gemma2,
+    gemma3, phi3) keeps the config's attention_dropout as a float and hands it to the attention kernel in
+    training mode. Every float attribute whose name ends in `dropout` is zeroed too (GPT-2's attention reads
+    its nn.Dropout's p). The config is left as it is: the exported model keeps the base's settings."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if name.endswith("dropout") and isinstance(value, float):
+                setattr(module, name, 0.0)
 
 
 def show_examples(cfg: Config, n: int) -> str:

@@ -113,7 +113,8 @@ def flash_attention_check(cfg, info, steps: int) -> bool:
         alone under sdpa (no mask, no position ids)."""
         worst = 0.0
         for r, a, z in spans:
-            alone = logps(ref, {"input_ids": batch["input_ids"][r:r + 1, a:z], "labels": batch["labels"][r:r + 1, a:z]})[0]
+            part = {k: batch[k][r:r + 1, a:z] for k in ("input_ids", "labels")}
+            alone = logps(ref, part)[0]
             worst = max(worst, float(((packed[r, a:z] - alone).abs() / alone.abs().clamp_min(1e-3)).max()))
         return worst
 

@@ -82,6 +82,17 @@ def test_ddp_checkpoint_resumes_under_fsdp(ddp2_reference, tmp_path, cache_dir):
     _close(train_losses(run), train_losses(ddp2_reference), range(6, 11), FSDP_RTOL)
 
 
+def test_fsdp_sync_once_per_step_is_the_same_update(fsdp2, tmp_path, cache_dir):
+    """The fsdp2 run accumulates 2 micro-batches per step, its gradients reduce-scattered after each one (the
+    default: each rank keeps its shard of the sum); train.fsdp_sync=step reduce-scatters once, after the last
+    (every rank holds the whole gradient until then). The same update: the losses agree step by step (the
+    sums differ only in the order of fp32 additions)."""
+    run = tmp_path / "fsdp-sync-step"
+    phalanx(*lm_args(run, cache_dir, *REFERENCE, "train.strategy=fsdp", "train.fsdp_sync=step"),
+            "--nproc-per-node", 2, check=True, timeout=240)
+    _close(train_losses(run), train_losses(fsdp2), range(1, 11), FSDP_RTOL)
+
+
 def test_activation_checkpointing_under_fsdp_changes_nothing(fsdp2, tmp_path, cache_dir):
     """FSDP2's hooks stay outside the recomputed region: losses, gradient norms and the exported weights
     are bitwise those of the run without checkpointing (10 steps, 2 processes)."""

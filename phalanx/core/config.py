@@ -253,6 +253,12 @@ class TrainConfig:
                        "optimizer state sharded; the model is built on the meta device and each process "
                        "materialises, initialises or loads only its own shards); checkpoints load into either",
                        choices=["ddp", "fsdp"])
+    fsdp_sync: str = _f("micro_batch", "fsdp with gradient accumulation: when gradients are reduce-scattered. "
+                        "micro_batch = after every micro-batch, so each rank accumulates only its shard of the "
+                        "gradient (memory falls with the world size, as FSDP's point is); step = once, after the "
+                        "step's last micro-batch (set_requires_gradient_sync(False) before it: every rank holds the "
+                        "whole model's unsharded gradient until then, less communication, more memory). The same "
+                        "update either way; ddp always all-reduces once per step", choices=["micro_batch", "step"])
     activation_checkpointing: str = _f("none", "recompute transformer blocks' activations in the backward pass "
                                        "instead of keeping them (less memory, ~1/3 more compute; same losses "
                                        "and gradients): none, full = every block, every_k = blocks 0, k, 2k, ... "

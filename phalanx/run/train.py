@@ -278,9 +278,12 @@ def micro_seed(seed: int, step: int, micro_id: int) -> int:
     return int(np.random.SeedSequence([seed, step, micro_id]).generate_state(1)[0])
 
 
-def sync_context(wrapped, model, sync: bool):
-    """Skip the gradient all-reduce on non-final micro-steps (DDP no_sync / FSDP2 equivalent)."""
-    if sync or wrapped is model and not hasattr(model, "set_requires_gradient_sync"):
+def sync_context(wrapped, model, last: bool, fsdp_every_micro_batch: bool = True):
+    """Whether this micro-batch's backward reduces its gradients: always the step's last one; under DDP no other
+    (no_sync: its buckets hold the accumulated gradient anyway); under FSDP2 every one by default, so each rank
+    accumulates its shard only (train.fsdp_sync=step: the last one only, the gradient kept unsharded)."""
+    fsdp = wrapped is model and hasattr(model, "set_requires_gradient_sync")
+    if last or (fsdp and fsdp_every_micro_batch) or (wrapped is model and not fsdp):
         return contextlib.nullcontext()
     if hasattr(wrapped, "no_sync"):
         return wrapped.no_sync()
@@ -303,7 +306,7 @@ def _forward_backward(run: Run, tr: Trainee, task, batches, micro_ids, totals, s
     losses, world, sums = [], run.info.world_size, None
     for k, (batch, mid) in enumerate(zip(batches, micro_ids)):
         torch.manual_seed(micro_seed(run.cfg.train.seed, step, mid))
-        with sync_context(tr.wrapped, tr.model, k == len(batches) - 1):
+        with sync_context(tr.wrapped, tr.model, k == len(batches) - 1, run.cfg.train.fsdp_sync == "micro_batch"):
             poison = run.probe(step, Phase.FORWARD, k)
             with tr.autocast():
                 loss, metric_sums = task.step_loss(tr.forward, batch, totals)

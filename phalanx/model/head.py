@@ -22,6 +22,7 @@ while preference tuning needs each target's log-prob.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -100,7 +101,10 @@ class _Capture:
     def __init__(self, head: nn.Linear):
         self.pending = None
         self.result: Targets | None = None
-        self._handle = head.register_forward_pre_hook(self)
+        # under torch.compile (dynamo already loaded by it): run eagerly, a graph break before the head;
+        # importing dynamo just for this would cost every worker seconds of start-up
+        hook = torch.compiler.disable(self._hook) if "torch._dynamo" in sys.modules else self._hook
+        self._handle = head.register_forward_pre_hook(hook)
 
     @classmethod
     def of(cls, head: nn.Linear) -> _Capture:
@@ -108,8 +112,7 @@ class _Capture:
             cls._installed[head] = cls(head)
         return cls._installed[head]
 
-    @torch.compiler.disable  # eager: a graph break before the head
-    def __call__(self, head: nn.Linear, args):
+    def _hook(self, head: nn.Linear, args):
         if self.pending is None:
             return None
         keep, targets, softcap, correct, summed = self.pending

@@ -139,7 +139,7 @@ def flash_attention_check(cfg, info, steps: int) -> bool:
 
 
 def _lora_model(cfg, info, folder: str):
-    from phalanx.core.config import LoraSettings
+    from phalanx.core.sections import LoraSettings
     from phalanx.model.lora import LoraAdapters
 
     shard = partial(fsdp_shard, device=info.device, world_size=1, param_dtype=torch.bfloat16, cpu_offload=False)
@@ -156,7 +156,7 @@ def lora_check(cfg, info, ids, steps: int) -> bool:
     plain transformers gives the trained model's logits."""
     from transformers import AutoModelForCausalLM
 
-    from phalanx.core.config import LoraSettings
+    from phalanx.core.sections import LoraSettings
     from phalanx.model.build import export_entries
     from phalanx.model.lora import merged_entries
 

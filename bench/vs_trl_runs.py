@@ -210,7 +210,7 @@ def lora_at_gpt2_small(r: int) -> tuple[int, int]:
     realistic size."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from phalanx.core.config import LoraSettings
+    from phalanx.core.sections import LoraSettings
     from phalanx.model.lora import apply_lora
 
     base = GPT2LMHeadModel(GPT2Config())

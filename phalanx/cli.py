@@ -117,10 +117,11 @@ def cmd_config(args) -> int:
 
     from phalanx.core.config import describe, describe_markdown, load_config, to_dict
 
-    if args.show:
-        print("\n".join(describe_markdown() if args.markdown else describe()).lstrip())
-        return 0
     config, overrides = _split_config_and_overrides(args.items)
+    if args.show:  # with a config or task=...: what that task reads; else every key
+        task = load_config(config, overrides, check_paths=False).task if args.items else None
+        print("\n".join(describe_markdown() if args.markdown else describe(task=task)).lstrip())
+        return 0
     print(yaml.safe_dump(to_dict(load_config(config, overrides)), sort_keys=False), end="")
     return 0
 
@@ -142,7 +143,8 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
     p = sub.add_parser("config", help="print the resolved config, or every field with its doc (--show)")
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]")
-    p.add_argument("--show", action="store_true", help="list every config key with type, default and doc")
+    p.add_argument("--show", action="store_true", help="list every config key with type, default and doc (with a "
+                   "config or task=NAME: the keys that task reads)")
     p.add_argument("--markdown", action="store_true", help="with --show: as a Markdown table (as in the README)")
     p.set_defaults(func=cmd_config)
     for name, (module, help_text) in EXTRA_COMMANDS.items():

@@ -195,7 +195,7 @@ def test_csv_damage_names_the_row(tmp_path, tok):
 
 def test_classification_rows_with_wrong_fields_name_the_row(tmp_path):
     def prepare_classify(data: Path, cache: str):
-        cfg = load_config(None, ["task=classify", "model.arch=bert", "data.vocab_size=300", "data.max_length=16",
+        cfg = load_config(None, ["task=classify", "model.arch=bert", "data.vocab_size=300", "classify.max_length=16",
                                  f"data.train={data}", f"data.cache_dir={tmp_path / cache}"])
         return ClassifyTask.prepare_data(cfg, 1, False)
 

@@ -285,7 +285,7 @@ def _step(model, ids, seed=5):
 def test_checkpointing_recomputes_and_gives_bitwise_the_same_loss_and_gradients(arch, lora):
     """With dropout on (and LoRA's dropout through peft): the block's forward really runs twice (the
     mechanism is on), and the loss and every gradient are bitwise those without checkpointing."""
-    from phalanx.core.config import LoraSettings
+    from phalanx.core.sections import LoraSettings
     from phalanx.model.lora import apply_lora
 
     m = dataclasses.replace(TINY[arch], dropout=0.1)

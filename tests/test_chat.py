@@ -239,7 +239,7 @@ def test_bad_records_name_file_line_and_field(tmp_path, cache_dir, fmt, record, 
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in [good, good, record, good]) + "\n")
     cfg = load_config(None, ["task=chat", f"data.train={path}", f"data.cache_dir={tmp_path / 'c'}", *TINY[1:],
-                             f"data.chat_format={fmt}"])
+                             f"chat.format={fmt}"])
     escaped = message.replace("[", r"\[").replace("]", r"\]")
     with pytest.raises(ConfigError, match=f"data file '{path}' line 3: .*" + escaped):
         prepare.prepare(cfg, chat_store.CHAT, workers=1, progress=False, say=lambda s: None)

@@ -37,7 +37,7 @@ def test_dropping_too_much_is_exit_2_before_any_worker_and_raising_the_key_reuse
     assert len(error) == 1 and "config key 'data.max_dropped_fraction'" in error[0]
     assert "dropped 10 of 40 records of data.train" in error[0] and "25.0% (more than 5.0%)" in error[0]
     assert "too long for model.block_size 10" in error[0] and f"longest: data file '{data}' line 40 (" in error[0]
-    assert "raise model.block_size (now 64)" in error[0] and "data.truncation" not in error[0]  # keep_end already
+    assert "raise model.block_size (now 64)" in error[0] and "chat.truncation" not in error[0]  # keep_end already
     assert "records 40; truncated " in proc.stdout and "; dropped 10; dropped_by too_long 10" in proc.stdout
     run = tmp_path / "run"
     proc = phalanx("train", *args, "--run-dir", run)
@@ -75,7 +75,7 @@ def show(tmp_path: Path, data: Path, tokenizer: Path, *extra) -> tuple:
 def test_show_qwen3_reasoning_with_enable_thinking_baked_into_the_saved_template(tmp_path, saved):
     from transformers import AutoTokenizer
 
-    thinking_off = "data.template_kwargs={enable_thinking: false}"
+    thinking_off = "template.kwargs={enable_thinking: false}"
     proc = show(tmp_path, FIXTURES / "chat_qwen3.jsonl", saved["qwen3"], thinking_off)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "records 4; truncated 0; dropped 0" in proc.stdout

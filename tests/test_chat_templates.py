@@ -180,7 +180,7 @@ def test_enable_thinking_is_passed_to_the_template_and_baked_into_the_saved_one(
     explicit = saved.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True, enable_thinking=True)
     assert explicit.endswith("<|im_start|>assistant\n")  # a caller's keyword still wins
     assert chat_template.jinja_literal({"a": [1, None, "x\"y"], "b": True}) == '{"a": [1, none, "x\\"y"], "b": true}'
-    with pytest.raises(ConfigError, match="data.template_kwargs"):
+    with pytest.raises(ConfigError, match="template.kwargs"):
         chat_template.check_kwargs({"add_generation_prompt": True})
 
 
@@ -201,7 +201,7 @@ def test_a_system_message_the_template_refuses_is_folded_or_exit_2():
     kept = text.split("<start_of_turn>user\nBe brief.\n\n")[1].split("<end_of_turn>")[0]
     assert cut.truncated and len(cut.ids) <= n - 10 and question.endswith(kept) and len(kept) < len(question) - 10
     assert runs(tok, cut) == ["Hello.<end_of_turn>"]
-    with pytest.raises(ConfigError, match="config key 'data.system_message': keep, but this chat template refuses"):
+    with pytest.raises(ConfigError, match="config key 'template.system_message': keep, but this chat template refuses"):
         cv.system_policy(tok, "keep")
     assert isinstance(encoder(tok, system="fold").encode(chat), Encoded)
     # Gemma-3's template folds the system message itself: accepted, kept as it is

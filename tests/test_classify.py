@@ -17,7 +17,7 @@ from phalanx.data import classify_store
 from phalanx.tasks.classify import ClassifyTask, classification_metrics
 
 SMALL = ["task=classify", "model.arch=bert", "model.n_layer=2", "model.n_head=2", "model.n_embd=64",
-         "data.vocab_size=1000", "data.max_length=64", "train.micro_batch_size=8", "train.global_batch_size=16",
+         "data.vocab_size=1000", "classify.max_length=64", "train.micro_batch_size=8", "train.global_batch_size=16",
          "train.log_every=1", "train.eval_every=0", "train.warmup_steps=2", "train.lr=1e-3", "log.progress=lines",
          "dist.threads_per_worker=1"]  # one thread: OpenMP spinning on a busy 2-core machine costs 10x
 
@@ -124,8 +124,8 @@ def pair_run(tmp_path_factory, cache_dir):
     train = write_jsonl(folder / "train.jsonl", nli_rows(160, 0))
     val = write_jsonl(folder / "val.jsonl", nli_rows(37, 1))
     run = folder / "run"
-    phalanx(*cls_args(run, cache_dir, train, val, "data.text_field=premise", "data.text_pair_field=hypothesis",
-                      "data.label_field=gold", "train.max_steps=6"),
+    phalanx(*cls_args(run, cache_dir, train, val, "data.text_field=premise", "classify.text_pair_field=hypothesis",
+                      "classify.label_field=gold", "train.max_steps=6"),
             "--nproc-per-node", 2, check=True, timeout=180)
     return SimpleNamespace(run=run, val=val, folder=folder)
 
@@ -180,7 +180,7 @@ def test_csv_multiclass_distilbert_trains_and_predicts_text_lines(tmp_path, cach
     (tmp_path / "val.csv").write_text("\n".join(lines[:1] + lines[101:]) + "\n")
     run = tmp_path / "run"
     phalanx(*cls_args(run, cache_dir, tmp_path / "train.csv", tmp_path / "val.csv", "model.arch=distilbert",
-                      "data.label_field=topic", "train.max_steps=4"), check=True, timeout=180)
+                      "classify.label_field=topic", "train.max_steps=4"), check=True, timeout=180)
     assert json.loads((run / "summary.json").read_text())["labels"] == sorted(topics)
     (tmp_path / "new.txt").write_text("goal team\n\nsoup bread salt\nchip\n")
     out = phalanx("predict", run, "--input", tmp_path / "new.txt", check=True).stdout.splitlines()
@@ -282,8 +282,8 @@ def test_each_arch_pads_dynamically_truncates_and_takes_pairs(arch, tmp_path, ca
     rows = [{"a": " ".join(["word"] * k), "b": "other words", "y": k % 2} for k in (1, 3, 40, 2, 5, 4)]
     train = write_jsonl(tmp_path / "t.jsonl", rows)
     cfg = load_config(None, [*SMALL, f"model.arch={arch}", f"data.train={train}", f"data.validation={train}",
-                             "data.text_field=a", "data.text_pair_field=b", "data.label_field=y",
-                             "data.max_length=16", f"data.cache_dir={cache_dir}"])
+                             "data.text_field=a", "classify.text_pair_field=b", "classify.label_field=y",
+                             "classify.max_length=16", f"data.cache_dir={cache_dir}"])
     task = ClassifyTask(cfg, SimpleNamespace(is_local_main=True))
     task.open_data()
     assert max(task.train_set.lengths) == 16  # truncated

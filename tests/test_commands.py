@@ -35,7 +35,7 @@ def _texts(folder: Path) -> dict[str, str]:
 
 
 # What each task trains on here, and how each run command is called on its run.
-DATA = {"lm": ["model.block_size=32"], "classify": ["data.max_length=32", "data.val_fraction=0.1"],
+DATA = {"lm": ["model.block_size=32"], "classify": ["classify.max_length=32", "data.val_fraction=0.1"],
         "chat": ["model.block_size=64", "model.pretrained="],
         "preference": ["model.block_size=64", "model.pretrained="]}
 USE = {"generate": ["--prompt", "The", "--max-new-tokens", "4"], "predict": ["--input", "INPUT"],

@@ -10,8 +10,8 @@ from phalanx.core.config import ConfigError, check_world, load_config
 
 
 def test_overrides_and_types():
-    cfg = load_config(None, ["train.lr=3e-4", "model.n_layer=6", "data.labels=[a,b]", "train.compile=true"])
-    assert cfg.train.lr == 3e-4 and cfg.model.n_layer == 6 and cfg.data.labels == ["a", "b"]
+    cfg = load_config(None, ["train.lr=3e-4", "model.n_layer=6", "classify.labels=[a,b]", "train.compile=true"])
+    assert cfg.train.lr == 3e-4 and cfg.model.n_layer == 6 and cfg.classify.labels == ["a", "b"]
     assert cfg.train.compile is True and cfg.run_dir == "runs/default"
 
 
@@ -103,3 +103,59 @@ def test_every_example_sweep_file_loads(example, tmp_path):
     copy.write_text(text)
     sweep = load_sweep(copy)
     assert sweep.trials >= 4 and sweep.space and sweep.metric == "eval/loss"
+
+
+# ---- keys renamed in 0.2 (core/renames.py) -------------------------------------------------------------
+def test_old_keys_still_load_with_one_line_naming_the_new_ones(tmp_path):
+    """A 0.1 config (task keys in `data`) and 0.1 overrides load into the task sections; one note names each
+    moved key; data.prompt_field / data.system_field go to the section of the config's task."""
+    old = tmp_path / "old.yaml"
+    old.write_text("task: chat\ndata:\n  chat_format: messages\n  prompt_field: question\n"
+                   "  template_kwargs: {enable_thinking: false}\n  system_message: fold\n")
+    said = []
+    cfg = load_config(str(old), ["data.max_length=64", "data.train_on=last"], check_paths=False, say=said.append)
+    assert (cfg.chat.format, cfg.chat.prompt_field, cfg.chat.train_on) == ("messages", "question", "last")
+    assert cfg.template.kwargs == {"enable_thinking": False} and cfg.template.system_message == "fold"
+    assert cfg.classify.max_length == 64 and cfg.preference.prompt_field == ""
+    assert len(said) == 1 and "data.chat_format -> chat.format" in said[0] and "data.max_length -> classify.max_length" \
+        in said[0] and "until 0.3" in said[0]
+    pref = load_config(None, ["task=preference", "data.prompt_field=q", "data.pair_format=explicit"],
+                       check_paths=False, say=said.append)
+    assert (pref.preference.prompt_field, pref.preference.format, pref.chat.prompt_field) == ("q", "explicit", "")
+    assert load_config(None, ["chat.format=alpaca"], say=said.append).chat.format == "alpaca" and len(said) == 2
+    assert load_config(str(old), ["chat.format=sharegpt"], check_paths=False, say=said.append).chat.format == \
+        "sharegpt"  # an override wins over the file, under either name
+    old.write_text("task: chat\ndata:\n  chat_format: messages\nchat:\n  format: alpaca\n")
+    with pytest.raises(ConfigError, match="'data.chat_format' and 'chat.format' are one key"):
+        load_config(str(old), check_paths=False, say=said.append)
+
+
+def test_a_checkpoint_of_0_1_resumes_without_force_resume(tmp_path):
+    """tests/fixtures/ckpt-31751d5 recorded its settings under 0.1's names (data.max_length, data.labels, ...):
+    the same settings given with either name compare equal; a changed one does not."""
+    import json
+    import shutil
+
+    from phalanx.tools.launch import preflight
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(REPO / "tests" / "fixtures" / "ckpt-31751d5", ckpt)
+    recorded = json.loads((ckpt / "meta.json").read_text())["config"]
+    same = [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in recorded.items()] + [f"resume={ckpt}"]
+    for names in (same, [s.replace("data.max_length", "classify.max_length") for s in same]):
+        preflight(load_config(None, names, check_paths=False, say=print), 1, "1")
+    preflight(load_config(None, [*same, "data.max_length=64"], check_paths=False, say=print), 1, "1")  # not lm's
+    for change, key in (("train.lr=0.5", "train.lr"), ("data.val_max_tokens=64", "lm.val_max_tokens")):
+        with pytest.raises(ConfigError, match=f"different training settings: {key};"):
+            preflight(load_config(None, [*same, change], check_paths=False, say=print), 1, "1")
+
+
+def test_config_show_lists_what_the_task_reads(capsys):
+    from phalanx.cli import main
+
+    assert main(["config", "--show", "task=chat"]) == 0
+    shown = capsys.readouterr().out
+    assert "chat.train_on" in shown and "template.kwargs" in shown and "classify.labels" not in shown \
+        and "preference.beta" not in shown and "data.train " in shown
+    assert main(["config", "--show"]) == 0
+    assert "classify.labels" in capsys.readouterr().out

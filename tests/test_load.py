@@ -229,7 +229,7 @@ def test_the_start_line_names_what_the_run_adds(tmp_path, cache_dir):
     train.write_text("\n".join((SST2 / "train.jsonl").read_text().splitlines()[:32]) + "\n")
     proc = phalanx("train", "task=classify", f"data.train={train}", f"data.validation={SST2 / 'validation.jsonl'}",
                    f"data.cache_dir={cache_dir}", "--run-dir", tmp_path / "run", f"model.pretrained={base}",
-                   "data.max_length=32", "train.micro_batch_size=8", "train.global_batch_size=16",
+                   "classify.max_length=32", "train.micro_batch_size=8", "train.global_batch_size=16",
                    "train.max_steps=1", "train.eval_max_samples=16", "log.progress=lines",
                    "dist.threads_per_worker=1", check=True, timeout=180)
     start = next(line for line in proc.stdout.splitlines() if line.startswith("phalanx: task classify"))

@@ -140,7 +140,7 @@ def test_phalanx_generate_keeps_half_the_context_for_the_sample(chat_run):
 
 def test_phalanx_chat_folds_a_system_message_the_template_refuses(tmp_path):
     """--system under a Gemma-style template (no system role) is folded into the first user turn, as
-    training folded it (data.system_message auto); a template that takes a system role keeps it."""
+    training folded it (template.system_message auto); a template that takes a system role keeps it."""
     import torch
     from chat_families import family_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -19,7 +19,7 @@ from phalanx.tasks.classify import ClassifyTask
 from phalanx.tasks.lm import LMTask
 
 COMMON = set(prepare.SUMMARY) - {"reused"}
-CLASSIFY = ["task=classify", "model.arch=bert", "data.vocab_size=400", "data.max_length=32"]
+CLASSIFY = ["task=classify", "model.arch=bert", "data.vocab_size=400", "classify.max_length=32"]
 
 
 def jsonl(path: Path, rows: list[dict]) -> Path:
@@ -67,7 +67,7 @@ def test_phalanx_prepare_runs_on_every_tasks_example_config(tmp_path):
         assert all(text in line and "prepared in" in line for text, line in zip(expected, lines)), lines
         again = [line for line in phalanx(*args, timeout=120, check=True).stdout.splitlines() if line.strip()]
         assert len(again) == len(lines) and all("already prepared" in line for line in again), again
-    # classification: the label names (the example's data.labels) with each split
+    # classification: the label names (the example's classify.labels) with each split
     assert outputs["sst2.yaml"].count("labels ['negative', 'positive']") >= 2
 
 

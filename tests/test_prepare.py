@@ -101,7 +101,7 @@ def test_store_equals_one_array_reference_and_is_identical_for_1_and_2_workers(t
 
 def test_blocks_cross_shards_and_every_sample_is_seen_once(tmp_path):
     data = corpus(tmp_path)
-    cfg = cfg_for(data, tmp_path / "c", "data.shard_mb=0.004", "data.val_fraction=0.1", "data.val_max_tokens=900")
+    cfg = cfg_for(data, tmp_path / "c", "data.shard_mb=0.004", "data.val_fraction=0.1", "lm.val_max_tokens=900")
     prepare.prepare(cfg, LM, 1, progress=False)
     lm = prepare.open_prepared(cfg, LM)
     everything = lm.train.slice(0, len(lm.train))

@@ -21,6 +21,7 @@ class TaskSpec:
     uses: tuple[str, ...]           # commands that use a finished run of this task (RUN/final)
     token_logits: bool              # the model outputs vocabulary logits at every position (memory plan)
     example: str                    # the shipped example config (the README's and the tests' starting point)
+    sections: tuple[str, ...]       # the task's own config sections (core/task_sections.py) it reads
     # data.group_by_length=auto for this task, chosen by held-out quality at equal steps as well as speed
     # (bench/order_quality.py); None: its batches are all as long (lm), the key does not apply
     group_by_length: bool | None = None
@@ -28,17 +29,21 @@ class TaskSpec:
 
 TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
     TaskSpec("lm", "phalanx.tasks.lm:LMTask", "causal language modelling on packed token blocks",
-             ("eval/loss", "eval/ppl"), ("generate",), True, "examples/shakespeare.yaml"),
+             ("eval/loss", "eval/ppl"), ("generate",), True, "examples/shakespeare.yaml", ("lm",)),
     TaskSpec("classify", "phalanx.tasks.classify:ClassifyTask", "text (or text-pair) classification",
-             ("eval/loss", "eval/accuracy", "eval/macro_f1"), ("predict",), False, "examples/sst2.yaml", True),
+             ("eval/loss", "eval/accuracy", "eval/macro_f1"), ("predict",), False, "examples/sst2.yaml",
+             ("classify",), True),
     TaskSpec("chat", "phalanx.tasks.chat:ChatTask", "supervised fine-tuning of a causal LM on conversations",
              ("eval/loss", "eval/ppl", "eval/token_accuracy"), ("generate", "chat"), True, "examples/chat.yaml",
-             False),
+             ("chat", "template"), False),
     TaskSpec("preference", "phalanx.tasks.preference:PreferenceTask",
              "preference tuning (DPO, IPO, hinge, SimPO) of a chat model on pairs of a better and a worse reply",
              ("eval/loss", "eval/rewards/accuracies", "eval/rewards/margins"), ("generate", "chat"), True,
-             "examples/preference.yaml", False),
+             "examples/preference.yaml", ("preference", "template"), False),
 )}
+
+# Every task's own section (a task reads only its own: the others stay out of its resume check and --show)
+TASK_SECTIONS = frozenset(s for spec in TASKS.values() for s in spec.sections)
 
 # Every command that uses a finished run, and what it does (for the error naming the right one).
 RUN_COMMANDS = {"generate": "samples text from a language model", "predict": "labels texts with a classifier",

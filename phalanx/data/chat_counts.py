@@ -84,7 +84,7 @@ def gate(split_key: str, source: str, index: dict, limit: float, truncation: str
     if {"too_long", "nothing_to_learn"} & set(s["dropped_by"]):
         fixes.append(f"raise model.block_size (now {block_size})")
         if truncation != "keep_end":
-            fixes.append("set data.truncation=keep_end (keeps each record's last exchange)")
+            fixes.append("set chat.truncation=keep_end (keeps each record's last exchange)")
     if {"template_refused", "template_changed"} & set(s["dropped_by"]):
         fixes.append("fix those records or use a chat template that takes them")
     if "prompt_not_prefix" in s["dropped_by"]:

@@ -1,6 +1,6 @@
 """Conversations -> token ids and a loss mask in at most `model.block_size` tokens, many at once.
 
-The ids are exactly `apply_chat_template(messages, tokenize=True, **data.template_kwargs)`. The targets of
+The ids are exactly `apply_chat_template(messages, tokenize=True, **template.kwargs)`. The targets of
 an assistant turn are the tokens from where its output starts (the end of the generation prompt, or its
 first text field: chat_layout.py) through its end-of-turn token, the first special token the template
 writes after the turn's last text field. Characters map to tokens by offsets only: the tokenizer's
@@ -9,7 +9,7 @@ writes after the turn's last text field. Characters map to tokens by offsets onl
 A record that cannot be used is dropped and counted with its reason (`Dropped`): too long even after
 truncation, refused by the template (its own raise_exception, e.g. roles must alternate), its text changed
 by the template beyond trimming (no mask can be trusted), or nothing left to learn.
-Truncation (data.truncation): keep_end drops the oldest exchanges (the system message stays), then cuts the
+Truncation (chat.truncation): keep_end drops the oldest exchanges (the system message stays), then cuts the
 remaining prompt from its start at token boundaries, never a reply; turns drops whole turns from the end (a
 first exchange that is too long is cut on the right); right cuts on the right.
 """
@@ -33,8 +33,8 @@ class ChatSettings:
     train_on: str               # assistant | last | all
     truncation: str             # keep_end | turns | right
     block_size: int
-    system: str = "keep"        # keep | fold (data.system_message resolved for the template)
-    template_kwargs: str = "{}"  # data.template_kwargs as JSON (sorted keys: hashable, picklable)
+    system: str = "keep"        # keep | fold (template.system_message resolved for the template)
+    template_kwargs: str = "{}"  # template.kwargs as JSON (sorted keys: hashable, picklable)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The chat record format: conversations -> token ids and a loss mask (per token) and lengths (per
 conversation), built and opened by the one pipeline (prepare.py), then packed.
 
-Each record is rendered with the tokenizer's chat template (data.template_kwargs baked into it as
+Each record is rendered with the tokenizer's chat template (template.kwargs baked into it as
 defaults, system messages folded where the template refuses them: chat_template.py), each message found in
 the rendering by structure (chat_layout.py) and masked (chat_encode.py), a batch of records at a time. A
 record that cannot be used is dropped and counted with its reason; `dropped_error` is the gate of
@@ -61,9 +61,9 @@ def training_rows(cfg: Config, n: int) -> int:
 
 
 def field_overrides(cfg: Config) -> dict[str, str]:
-    d = cfg.data
-    return {"messages": d.messages_field, "prompt": d.prompt_field, "input": d.input_field,
-            "completion": d.completion_field, "system": d.system_field}
+    c = cfg.chat
+    return {"messages": c.messages_field, "prompt": c.prompt_field, "input": c.input_field,
+            "completion": c.completion_field, "system": c.system_field}
 
 
 def _messages(record, formats: dict, chat_format: str, where: str) -> list[dict]:
@@ -81,14 +81,15 @@ class ChatFormat(prepare.RecordFormat):
         return (("", "record"),)
 
     def settings(self, cfg: Config) -> tuple:
-        d = cfg.data
-        return (d.chat_format, tuple(sorted(field_overrides(cfg).items())), d.train_on, d.truncation,
-                d.system_message, cfg.model.block_size, d.packing, d.val_fraction if not d.validation else None)
+        d, c = cfg.data, cfg.chat
+        return (c.format, tuple(sorted(field_overrides(cfg).items())), c.train_on, c.truncation,
+                cfg.template.system_message, cfg.model.block_size, d.packing,
+                d.val_fraction if not d.validation else None)
 
     def tokenizer_variant(self, cfg: Config) -> str:
-        """The template with data.template_kwargs baked in as defaults is part of the tokenizer (RUN/final
+        """The template with template.kwargs baked in as defaults is part of the tokenizer (RUN/final
         renders as training did), so the kwargs name its folder (checked here: their first use)."""
-        kwargs = cfg.data.template_kwargs or {}
+        kwargs = cfg.template.kwargs or {}
         chat_template.check_kwargs(kwargs)
         return "chat-v2" + (f":{json.dumps(kwargs, sort_keys=True)}" if kwargs else "")
 
@@ -97,7 +98,7 @@ class ChatFormat(prepare.RecordFormat):
         kwargs written into the template as defaults."""
         from phalanx.data.tokenizer import load_saved
 
-        tok, kwargs = load_saved(folder), cfg.data.template_kwargs or {}
+        tok, kwargs = load_saved(folder), cfg.template.kwargs or {}
         if chat_template.ensure_template(tok) or kwargs:
             chat_template.bake_defaults(tok, kwargs)
             for stale in folder.iterdir():
@@ -105,12 +106,12 @@ class ChatFormat(prepare.RecordFormat):
             tok.save_pretrained(folder)
 
     def job(self, cfg: Config, split: Split, tok_dir: Path, total: int) -> tuple[ChatJob, dict]:
-        """The settings, with data.system_message resolved for the template (keep with a template that
+        """The settings, with template.system_message resolved for the template (keep with a template that
         refuses a system role is exit 2 here, before any worker), and the tokenizer implementation."""
-        d, tok = cfg.data, load_tokenizer(str(tok_dir))
-        kwargs = d.template_kwargs or {}
-        policy = chat_template.system_policy(tok, d.system_message, kwargs)
-        settings = ChatSettings(d.train_on, d.truncation, cfg.model.block_size, policy,
+        c, tok = cfg.chat, load_tokenizer(str(tok_dir))
+        kwargs = cfg.template.kwargs or {}
+        policy = chat_template.system_policy(tok, cfg.template.system_message, kwargs)
+        settings = ChatSettings(c.train_on, c.truncation, cfg.model.block_size, policy,
                                 json.dumps(kwargs, sort_keys=True))
         overrides = field_overrides(cfg)
         fields = tuple((f, conversations.chat_fields(f, overrides)) for f in conversations.FORMATS)
@@ -118,14 +119,14 @@ class ChatFormat(prepare.RecordFormat):
             kind, why = "tokenizers", f"input under {SMALL >> 20} MB"
         else:
             kind, why = encoder.choose(tok_dir, self._sample_texts(cfg, dict(fields), settings, tok))
-        return ChatJob(str(tok_dir), fields, d.chat_format, settings, kind), {"encoder": kind, "encoder_check": why}
+        return ChatJob(str(tok_dir), fields, c.format, settings, kind), {"encoder": kind, "encoder_check": why}
 
     def _sample_texts(self, cfg: Config, formats: dict, settings: ChatSettings, tok) -> list[str]:
         """Rendered conversations from a sample of the training records (the tiktoken check's sample)."""
         shown = []
         for (record,) in sample_rows(cfg, self.fields(cfg), 256 << 10):
             try:
-                messages = _messages(record, formats, cfg.data.chat_format, "")
+                messages = _messages(record, formats, cfg.chat.format, "")
             except ConfigError:  # said with its place when its piece is encoded
                 continue
             shown.append(chat_template.fold_system(messages) if settings.system == "fold" else messages)
@@ -168,7 +169,7 @@ class ChatFormat(prepare.RecordFormat):
             raise ConfigError(f"config key '{split.key}': no conversation of '{split.spec or 'built-in data'}' has a "
                               f"token to train on after truncation to model.block_size={cfg.model.block_size} "
                               f"({counts['dropped']} dropped: {prepare_reasons(counts)}); raise model.block_size or "
-                              f"check data.train_on and the chat template")
+                              f"check chat.train_on and the chat template")
         out = {**counts, "supervised_tokens": sum(r["supervised"] for r in records),
                "end_of_turn": sorted({e for r in records for e in r["end_of_turn"]}),
                "template_tokens": sorted({t for r in records for t in r.get("template_tokens", [])})}
@@ -210,7 +211,7 @@ def dropped_error(cfg: Config) -> str | None:
         index = store.read_index(prepare.store_folder(cfg, CHAT, split, tok_dir))
         if index is not None:
             message = chat_counts.gate(split.key, split.spec or "built-in data", index, cfg.data.max_dropped_fraction,
-                                       cfg.data.truncation, cfg.model.block_size)
+                                       cfg.chat.truncation, cfg.model.block_size)
             if message:
                 return message
     return None

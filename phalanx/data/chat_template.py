@@ -1,11 +1,11 @@
 """The chat template, used alike when preparing, in RUN/final and by `phalanx chat`.
 
     ensure_template(tok)          phalanx's ChatML template for a tokenizer without one
-    bake_defaults(tok, kwargs)    data.template_kwargs written into the template as defaults, so that plain
+    bake_defaults(tok, kwargs)    template.kwargs written into the template as defaults, so that plain
                                   transformers (RUN/final, `phalanx chat`) renders as training did unless the
                                   caller passes the keyword itself
     Renderer(tok, kwargs)         renders conversations as `apply_chat_template(..., tokenize=False)` does
-    system_policy(tok, setting)   'keep' or 'fold' for system messages (data.system_message), probed once
+    system_policy(tok, setting)   'keep' or 'fold' for system messages (template.system_message), probed once
     fold_system(messages)         system messages folded into the next user turn ("system\\n\\nuser")
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ CHATML_TEMPLATE = (
     "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
-# Keywords transformers passes itself; one in data.template_kwargs would change how it renders, not the template.
+# Keywords transformers passes itself; one in template.kwargs would change how it renders, not the template.
 _RESERVED = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template",
              "tokenize", "return_dict", "return_assistant_tokens_mask"}
 
@@ -39,17 +39,17 @@ def ensure_template(tokenizer) -> bool:
     return True
 
 
-# ---- data.template_kwargs -------------------------------------------------------------------------
+# ---- template.kwargs -------------------------------------------------------------------------
 def check_kwargs(kwargs: dict) -> None:
-    """data.template_kwargs: names a template can read, values JSON can hold."""
+    """template.kwargs: names a template can read, values JSON can hold."""
     for key, value in (kwargs or {}).items():
         if not isinstance(key, str) or not _NAME.match(key) or key in _RESERVED:
-            raise ConfigError(f"config key 'data.template_kwargs': {key!r} is not a keyword a chat template reads "
+            raise ConfigError(f"config key 'template.kwargs': {key!r} is not a keyword a chat template reads "
                               f"(expected a name like enable_thinking, not one of {sorted(_RESERVED)})")
         try:
             jinja_literal(value)
         except TypeError:
-            raise ConfigError(f"config key 'data.template_kwargs.{key}': expected text, a number, true/false, null, "
+            raise ConfigError(f"config key 'template.kwargs.{key}': expected text, a number, true/false, null, "
                               f"or a list/mapping of those, got {type(value).__name__}") from None
 
 
@@ -217,13 +217,13 @@ def accepts_system(renderer: Renderer) -> bool:
 
 
 def system_policy(tokenizer, setting: str = "auto", kwargs: dict | None = None) -> str:
-    """data.system_message resolved for this tokenizer's template: 'keep' or 'fold'. auto = keep where the
+    """template.system_message resolved for this tokenizer's template: 'keep' or 'fold'. auto = keep where the
     template renders a system message (Gemma-3's folds it itself: accepted), else fold; keep with a template
     that refuses or drops it is exit 2."""
     if setting == "fold":
         return "fold"
     accepted = accepts_system(tokenizer if isinstance(tokenizer, Renderer) else Renderer(tokenizer, kwargs))
     if setting == "keep" and not accepted:
-        raise ConfigError("config key 'data.system_message': keep, but this chat template refuses (or drops) a "
+        raise ConfigError("config key 'template.system_message': keep, but this chat template refuses (or drops) a "
                           "system message; use auto or fold (the system text goes before the first user turn)")
     return "keep" if accepted else "fold"

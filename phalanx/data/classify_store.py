@@ -2,7 +2,7 @@
 codes (per row), built and opened by the one pipeline (prepare.py).
 
 Each piece's shard records the raw labels it holds; once every shard of the training split exists, the
-label names are fixed (`data.labels`, or the training labels sorted) and each split gets `labels.npy`
+label names are fixed (`classify.labels`, or the training labels sorted) and each split gets `labels.npy`
 (class ids), beside the pipeline's `offsets.npy`. Workers memory-map all of it: example i is
 ids[offsets[i]:offsets[i+1]] of the split's token stream. Without `data.validation` the last rows of the
 training store are held out. Every problem with the data is a `ConfigError` naming the file and line
@@ -92,13 +92,13 @@ class ClassifyFormat(prepare.RecordFormat):
     row_arrays = {"lengths": "uint32", "codes": "uint32"}
 
     def fields(self, cfg: Config) -> readers.Fields:
-        d = cfg.data
-        pair = ((d.text_pair_field, "text"),) if d.text_pair_field else ()
-        return ((d.text_field, "text"), *pair, (d.label_field, "label"))
+        c = cfg.classify
+        pair = ((c.text_pair_field, "text"),) if c.text_pair_field else ()
+        return ((cfg.data.text_field, "text"), *pair, (c.label_field, "label"))
 
     def settings(self, cfg: Config) -> tuple:
-        d = cfg.data
-        return d.max_length, tuple(d.labels), (d.val_fraction if not d.validation else None)
+        d, c = cfg.data, cfg.classify
+        return c.max_length, tuple(c.labels), (d.val_fraction if not d.validation else None)
 
     def identity(self, cfg: Config, split: Split) -> list:
         """A validation split's labels depend on the training labels: its store is current only while the
@@ -107,7 +107,7 @@ class ClassifyFormat(prepare.RecordFormat):
         return own if split.name == "train" else [own, source_identity(splits(cfg)[0], cfg.data.format)]
 
     def job(self, cfg: Config, split: Split, tok_dir: Path, total: int) -> tuple[ClassifyJob, dict]:
-        return ClassifyJob(str(tok_dir), cfg.data.max_length, self.fields(cfg)), {}
+        return ClassifyJob(str(tok_dir), cfg.classify.max_length, self.fields(cfg)), {}
 
     def encode(self, job: ClassifyJob, piece: pieces.Piece, writer: store.ShardWriter, progress) -> dict:
         tok, pair = _tokenizer(job.tokenizer_dir, job.max_length), len(job.fields) == 3
@@ -127,11 +127,11 @@ class ClassifyFormat(prepare.RecordFormat):
         rows = sum(r["rows"] for r in records)
         train = records if split.name == "train" else done["train"]["shards"]
         if split.name == "train":
-            names = label_names(_first_seen(folder, records, training_rows(cfg, rows)), cfg.data.labels)
+            names = label_names(_first_seen(folder, records, training_rows(cfg, rows)), cfg.classify.labels)
         else:
             names = done["train"]["labels"]
         first = next(r["labels"][0] for r in train if r["labels"])  # the first training label: int or str
-        lookup = class_lookup(names, bool(cfg.data.labels), type(first))
+        lookup = class_lookup(names, bool(cfg.classify.labels), type(first))
         out = np.lib.format.open_memmap(folder / "labels.npy", mode="w+", dtype=np.int64, shape=(rows,))
         row = 0
         for record in records:
@@ -139,7 +139,7 @@ class ClassifyFormat(prepare.RecordFormat):
             classes = [lookup.get(value, -1) for value in record["labels"]]  # per code
             if -1 in classes:
                 code = classes.index(-1)
-                known = "data.labels" if cfg.data.labels else "the training data"
+                known = "classify.labels" if cfg.classify.labels else "the training data"
                 raise ConfigError(f"{locate(record, int(np.argmax(codes == code)))}: label {record['labels'][code]!r} "
                                   f"is not one of the labels of {known} ({', '.join(names)[:200]})")
             out[row:row + len(codes)] = np.asarray(classes, dtype=np.int64)[codes]
@@ -163,7 +163,7 @@ CLASSIFY = ClassifyFormat()
 
 # ---- labels ---------------------------------------------------------------------------------------
 def label_names(labels: list[tuple], configured: list[str]) -> list[str]:
-    """Class names in id order: `data.labels` when given, else the training labels sorted. `labels` are
+    """Class names in id order: `classify.labels` when given, else the training labels sorted. `labels` are
     the distinct training labels, each with a function naming where it was first seen."""
     first, kind = labels[0][0], type(labels[0][0])
     odd = next(((v, where) for v, where in labels if type(v) is not kind), None)
@@ -173,11 +173,11 @@ def label_names(labels: list[tuple], configured: list[str]) -> list[str]:
     if configured:
         names = list(configured)
         if len(set(names)) != len(names):
-            raise ConfigError(f"config key 'data.labels': repeated names in {names}")
+            raise ConfigError(f"config key 'classify.labels': repeated names in {names}")
     else:
         names = [str(v) for v in sorted(v for v, _ in labels)]
     if len(names) < 2:
-        raise ConfigError(f"config key 'data.labels': classification needs at least 2 labels, found {names}")
+        raise ConfigError(f"config key 'classify.labels': classification needs at least 2 labels, found {names}")
     return names
 
 

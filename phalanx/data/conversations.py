@@ -1,6 +1,6 @@
 """Conversations for chat fine-tuning: records in the formats users have, turned into messages.
 
-Formats (`data.chat_format`, auto = detected from a record's keys):
+Formats (`chat.format`, auto = detected from a record's keys):
     messages            {"messages": [{"role": "system|user|assistant", "content": "...",
                                        "reasoning_content": "... (optional, assistant)"}]}   (OpenAI)
     sharegpt            {"conversations": [{"from": "system|human|gpt", "value": "..."}]}
@@ -33,7 +33,7 @@ REASONING = "reasoning_content"  # an assistant turn's reasoning (Qwen3's templa
 
 @dataclass(frozen=True)
 class ChatFields:
-    """A resolved format and the record keys it reads (names of data.messages_field etc.)."""
+    """A resolved format and the record keys it reads (names of chat.messages_field etc.)."""
     format: str
     names: tuple  # ((role of the key, key), ...) e.g. (("messages", "messages"),)
 
@@ -48,7 +48,7 @@ def chat_fields(fmt: str, overrides: dict[str, str]) -> ChatFields:
 
 
 def detect(row, where: str) -> str:
-    """The format of a record from its keys (data.chat_format=auto)."""
+    """The format of a record from its keys (chat.format=auto)."""
     if isinstance(row, dict):
         for fmt, probe in (("messages", "messages"), ("sharegpt", "conversations"), ("alpaca", "instruction"),
                            ("prompt_completion", "prompt")):
@@ -56,7 +56,7 @@ def detect(row, where: str) -> str:
                 return fmt
     keys = ", ".join(sorted(map(str, row)))[:200] if isinstance(row, dict) else type(row).__name__
     raise ConfigError(f"{where}: not a conversation in a known format (expected a key 'messages', "
-                      f"'conversations', 'instruction' or 'prompt'; got {keys}); set data.chat_format")
+                      f"'conversations', 'instruction' or 'prompt'; got {keys}); set chat.format")
 
 
 def _text(value, where: str, field: str) -> str:
@@ -113,7 +113,7 @@ def to_messages(row, fields: ChatFields, where: str) -> list[dict]:
 
 # ---- rendering and the mask (chat_template.py, chat_layout.py, chat_encode.py) ------------------------
 def system_policy(tokenizer, setting: str = "auto", kwargs: dict | None = None) -> str:
-    """data.system_message for this tokenizer's template: 'keep' or 'fold' (see chat_template.system_policy)."""
+    """template.system_message for this tokenizer's template: 'keep' or 'fold' (see chat_template.system_policy)."""
     return chat_template.system_policy(tokenizer, setting, kwargs)
 
 

@@ -3,7 +3,7 @@ with an end-of-text token after each document (a plain text file, or a row). Bui
 pipeline (prepare.py); the shards are memory-mapped as they are (store.TokenStore).
 
 Without `data.validation`, the last `data.val_fraction` of the training stream (at most
-`data.val_max_tokens`) is held out for validation when the store is opened, so nothing is read twice and
+`lm.val_max_tokens`) is held out for validation when the store is opened, so nothing is read twice and
 no text is kept.
 """
 from __future__ import annotations
@@ -72,7 +72,8 @@ class LMFormat(prepare.RecordFormat):
     def open(self, cfg: Config, tok_dir: Path, folders: dict[str, Path]) -> LMData:
         opened = {split: store.TokenStore(folder) for split, folder in folders.items()}
         train, d = opened["train"], cfg.data
-        val_tokens = 0 if "validation" in opened else min(int(round(len(train) * d.val_fraction)), d.val_max_tokens)
+        held = min(int(round(len(train) * d.val_fraction)), cfg.lm.val_max_tokens)
+        val_tokens = 0 if "validation" in opened else held
         return LMData(tok_dir, train, opened.get("validation"), val_tokens)
 
 

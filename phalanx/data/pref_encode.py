@@ -34,7 +34,7 @@ class EncodedPair:
 
 
 class PairEncoder:
-    """Encodes pairs for one tokenizer and settings (data.truncation is keep_end: the task refuses others)."""
+    """Encodes pairs for one tokenizer and settings (the end is always kept: the prompt is cut from the left)."""
 
     def __init__(self, tokenizer, settings: ChatSettings, tokens=None):
         self.chat = ChatEncoder(tokenizer, replace(settings, train_on="assistant", truncation="keep_end"), tokens)

@@ -6,8 +6,8 @@
     implicit  {"chosen": [...], "rejected": [...]}: two whole conversations; the messages both start with
               are the prompt, the rest of each (assistant messages) its reply (TRL's extract_prompt)
 
-`data.pair_format` (auto = explicit where a record has the prompt field) and the field names
-(`data.prompt_field`, `data.chosen_field`, `data.rejected_field`, `data.system_field`) are config keys. A
+`preference.format` (auto = explicit where a record has the prompt field) and the field names
+(`preference.prompt_field`, `chosen_field`, `rejected_field`, `system_field`) are config keys. A
 malformed record is a ConfigError naming the field (the caller adds file and line): a missing field, a
 reply that is neither text nor a list of messages, a reply holding a user turn, two replies that are the
 same, or (implicit) two conversations that share no prompt.
@@ -31,10 +31,10 @@ class PairFields:
     system: str = "system"
 
 
-def pair_fields(data) -> PairFields:
-    """The keys from the config's data section (empty = the default name)."""
-    return PairFields(data.prompt_field or "prompt", data.chosen_field or "chosen",
-                      data.rejected_field or "rejected", data.system_field or "system")
+def pair_fields(p) -> PairFields:
+    """The keys from the config's preference section (empty = the default name)."""
+    return PairFields(p.prompt_field or "prompt", p.chosen_field or "chosen", p.rejected_field or "rejected",
+                      p.system_field or "system")
 
 
 @dataclass
@@ -52,7 +52,7 @@ def detect(row: dict, fields: PairFields, where: str) -> str:
     keys = ", ".join(sorted(map(str, row)))[:200]
     raise ConfigError(f"{where}: not a preference pair (expected fields '{fields.prompt}', '{fields.chosen}', "
                       f"'{fields.rejected}', or '{fields.chosen}' and '{fields.rejected}' alone; got {keys}); set "
-                      f"data.prompt_field / data.chosen_field / data.rejected_field")
+                      f"preference.prompt_field / chosen_field / rejected_field")
 
 
 def to_pair(row, fields: PairFields, pair_format: str, where: str) -> Pair:
@@ -72,7 +72,7 @@ def to_pair(row, fields: PairFields, pair_format: str, where: str) -> Pair:
 
 def _explicit(row: dict, fields: PairFields, where: str) -> Pair:
     if fields.prompt not in row:
-        raise ConfigError(f"{where}: missing field '{fields.prompt}' (data.pair_format=explicit)")
+        raise ConfigError(f"{where}: missing field '{fields.prompt}' (preference.format=explicit)")
     value = row[fields.prompt]
     if isinstance(value, str):
         system = row.get(fields.system)

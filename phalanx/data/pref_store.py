@@ -2,7 +2,7 @@
 their target masks, built and opened by the one pipeline (prepare.py), then packed by pair.
 
 The tokenizer and its chat template are chat's (chat_store.ChatFormat: a template added where the tokenizer
-has none, data.template_kwargs baked in), so a preference run on a chat run's final/ renders as that run
+has none, template.kwargs baked in), so a preference run on a chat run's final/ renders as that run
 did. Pair p is sequences 2p (chosen) and 2p+1 (rejected) of the split (`offsets.npy`, `truncated.npy` per
 sequence). A pair that cannot be used is dropped and counted with its reason (chat_counts.py, the gate of
 data.max_dropped_fraction counts pairs). With data.packing, `finish` packs whole pairs (both replies) into
@@ -54,17 +54,17 @@ class PreferenceFormat(chat_store.ChatFormat):
         return (("pair", "record"),)  # the whole record (built-in data: builtin.stdlib_preference_pairs)
 
     def settings(self, cfg: Config) -> tuple:
-        d = cfg.data
-        return (d.pair_format, pair_fields(d), d.truncation, d.system_message, cfg.model.block_size, d.packing,
+        d, p = cfg.data, cfg.preference
+        return (p.format, pair_fields(p), "keep_end", cfg.template.system_message, cfg.model.block_size, d.packing,
                 d.val_fraction if not d.validation else None)
 
     def job(self, cfg: Config, split: Split, tok_dir: Path, total: int) -> tuple[PairJob, dict]:
-        d, tok = cfg.data, chat_store.load_tokenizer(str(tok_dir))
-        kwargs = d.template_kwargs or {}
-        policy = chat_template.system_policy(tok, d.system_message, kwargs)
+        p, tok = cfg.preference, chat_store.load_tokenizer(str(tok_dir))
+        kwargs = cfg.template.kwargs or {}
+        policy = chat_template.system_policy(tok, cfg.template.system_message, kwargs)
         settings = ChatSettings("assistant", "keep_end", cfg.model.block_size, policy,
                                 json.dumps(kwargs, sort_keys=True))
-        return PairJob(str(tok_dir), pair_fields(d), d.pair_format, settings), {}
+        return PairJob(str(tok_dir), pair_fields(p), p.format, settings), {}
 
     def encode(self, job: PairJob, piece: pieces.Piece, writer: store.ShardWriter, progress) -> dict:
         enc = pair_encoder(job.tokenizer_dir, job.settings)

@@ -14,7 +14,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from phalanx.core.config import ConfigError, ModelConfig, TrainConfig, hub_name
+from phalanx.core.config import ConfigError, hub_name
+from phalanx.core.sections import ModelConfig, TrainConfig
 from phalanx.model import precision
 from phalanx.model.checkpointing import apply_activation_checkpointing
 from phalanx.model.shard import Builder, fsdp_shard

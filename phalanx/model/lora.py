@@ -28,7 +28,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from phalanx.core.config import LoraSettings
+from phalanx.core.sections import LoraSettings
 from phalanx.model.init import name_seed
 from phalanx.model.slices import local, rows, write_local
 

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from phalanx.core.config import TrainConfig
+from phalanx.core.sections import TrainConfig
 from phalanx.core.errors import ConfigError
 
 IMPL_FLAGS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}

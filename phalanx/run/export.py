@@ -33,7 +33,7 @@ import torch.distributed as tdist
 from torch.distributed.tensor import DTensor
 
 from phalanx.core import dist
-from phalanx.core.config import TrainConfig
+from phalanx.core.sections import TrainConfig
 from phalanx.core.runfolder import RunFolder
 from phalanx.model.build import export_entries
 from phalanx.model.lora import Merged

@@ -72,7 +72,7 @@ class ClassifyTask(TaskBase):
         tok = toks.load_saved(folder)
         # Saved with final/, so transformers users truncate the same way and get segment ids exactly when
         # the model has a segment embedding (a tokenizer trained here would otherwise omit them).
-        tok.model_max_length = self.cfg.data.max_length
+        tok.model_max_length = self.cfg.classify.max_length
         names = ["input_ids", "token_type_ids", "attention_mask"] if self.use_types else \
             ["input_ids", "attention_mask"]
         tok.model_input_names = tok.init_kwargs["model_input_names"] = names
@@ -90,7 +90,7 @@ class ClassifyTask(TaskBase):
     # ---- model and steps --------------------------------------------------------------------
     @staticmethod
     def sequence_length(cfg: Config) -> int:
-        return cfg.data.max_length
+        return cfg.classify.max_length
 
     def next_commands(self, run_dir) -> list[str]:
         return [*super().next_commands(run_dir),
@@ -99,8 +99,8 @@ class ClassifyTask(TaskBase):
     @staticmethod
     def model_for(cfg: Config, vocab_size: int, special_id: int, names: list[str] | None = None):
         """The architecture, on the current default device (no weights are loaded)."""
-        names = names or cfg.data.labels or ["0", "1"]
-        return classifier(cfg.model, vocab_size, special_id, cfg.data.max_length, dict(enumerate(names)))
+        names = names or cfg.classify.labels or ["0", "1"]
+        return classifier(cfg.model, vocab_size, special_id, cfg.classify.max_length, dict(enumerate(names)))
 
     def define_model(self):
         return self.model_for(self.cfg, len(self.tokenizer), self.tokenizer.pad_token_id, self.names)
@@ -138,8 +138,8 @@ class ClassifyTask(TaskBase):
         lengths = self.train_set.lengths
         return {"labels": self.names, "num_labels": len(self.names), "train_samples": len(self.train_set),
                 "val_samples": len(self.val_set), "vocab_size": len(self.tokenizer),
-                "max_length": self.cfg.data.max_length, "train_mean_tokens": float(np.mean(lengths)),
-                "train_at_max_length": int((lengths >= self.cfg.data.max_length).sum())}
+                "max_length": self.cfg.classify.max_length, "train_mean_tokens": float(np.mean(lengths)),
+                "train_at_max_length": int((lengths >= self.cfg.classify.max_length).sum())}
 
 
 def pad_batch(examples: list[tuple[np.ndarray, np.ndarray]], pad_id: int, use_types: bool) -> dict:

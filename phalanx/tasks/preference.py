@@ -39,9 +39,6 @@ class PreferenceTask(ChatTask):
     @classmethod
     def check_config(cls, cfg: Config) -> None:
         super().check_config(cfg)
-        if cfg.data.truncation != "keep_end":
-            raise ConfigError(f"config key 'data.truncation': task preference cuts the prompt from the left "
-                              f"(keep_end), the same for both replies; {cfg.data.truncation} would cut a reply")
         pref_reference.check(cfg)
 
     @classmethod

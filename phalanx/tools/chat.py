@@ -41,8 +41,8 @@ class Chat:
         self.model, self.tokenizer = load_causal_lm(final)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(f"'{final}' has no chat template (train it with task: chat)")
-        # --system as training treated system messages (data.system_message): kept where the template takes
-        # one, else folded into the first user turn. data.template_kwargs are baked into the saved template.
+        # --system as training treated system messages (template.system_message): kept where the template takes
+        # one, else folded into the first user turn. template.kwargs are baked into the saved template.
         self.fold = bool(system) and system_policy(self.tokenizer, system_message) == "fold"
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model.to(self.device)
@@ -131,7 +131,7 @@ def run(args) -> int:
         raise ConfigError(f"--max-new-tokens: expected >= 1, got {args.max_new_tokens}")
     torch.manual_seed(args.seed)
     trained = load_config(str(folder.config), check_paths=False) if folder.config.is_file() else None
-    chat = Chat(folder.final, args.system, system_message=trained.data.system_message if trained else "auto")
+    chat = Chat(folder.final, args.system, system_message=trained.template.system_message if trained else "auto")
     if args.message is not None:
         temperature = args.temperature if args.temperature is not None else 0.0
         answer = chat.reply(args.message, args.max_new_tokens, temperature, args.top_k)

@@ -32,9 +32,9 @@ from phalanx.core.config import (
     Config,
     ConfigError,
     check_world,
-    comparable,
     hub_name,
     load_config,
+    recorded_settings,
     relevant_subset,
     save_yaml,
 )
@@ -138,8 +138,9 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
     except CheckpointError as e:
         raise ConfigError(f"resume: {e}") from None
     if meta and not force_resume:
-        # A key the checkpoint predates counts as its default (old checkpoints stay resumable).
-        saved, now = comparable({**relevant_subset(Config()), **meta.get("config", {})}), relevant_subset(cfg)
+        # A key the checkpoint predates counts as its default (old checkpoints stay resumable); renamed keys count
+        # under their new names
+        saved, now = recorded_settings(meta.get("config", {}), cfg.task), relevant_subset(cfg)
         changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         if changed:
             raise ConfigError(f"checkpoint '{path}' was made with different training settings: "

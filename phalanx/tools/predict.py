@@ -53,7 +53,7 @@ def run(args) -> int:
     cfg = _run_config(args.run)
     if not Path(args.input).is_file():
         raise ConfigError(f"--input: file '{args.input}' not found")
-    examples = classify_inputs.read_inputs(args.input, cfg.data.text_field, cfg.data.text_pair_field)
+    examples = classify_inputs.read_inputs(args.input, cfg.data.text_field, cfg.classify.text_pair_field)
     if args.nproc_per_node > 1 and not dist.under_torchrun():
         argv = ["phalanx", "predict", str(args.run), "--input", str(args.input), "--batch-size", str(args.batch_size),
                 "--nproc-per-node", str(args.nproc_per_node), *(["--output", str(args.output)] if args.output else [])]
@@ -72,7 +72,7 @@ def _predict_worker(args, cfg: Config, examples: classify_inputs.Examples) -> in
     model, tokenizer = load_classifier(RunFolder(args.run).final)
     model = model.to(device)
     shard = eval_shard(len(examples), rank, world)
-    probs = predict_probs(model, tokenizer, examples.take(shard.start, shard.stop), cfg.data.max_length,
+    probs = predict_probs(model, tokenizer, examples.take(shard.start, shard.stop), cfg.classify.max_length,
                           args.batch_size, device)
     if world > 1:  # contiguous shards in rank order: concatenating them restores the input order
         gathered = [None] * world if rank == 0 else None

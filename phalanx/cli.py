@@ -104,7 +104,8 @@ def cmd_prepare(args) -> int:
         raise ConfigError(f"--show: shows rendered conversations (task chat) or pairs (task preference); this "
                           f"config's task is '{cfg.task}'")
     for summary in prepare_data(cfg, args.workers, progress=not args.quiet).values():
-        print(describe(summary))  # one summary shape for every task
+        if summary.get("reused"):  # a split prepared now was said by the pipeline as it finished (the launcher's
+            print(f"phalanx: {describe(summary)}")  # log line): once each, in one summary shape for every task
     if args.show:
         import importlib
 
@@ -127,8 +128,9 @@ def cmd_config(args) -> int:
 
 
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="phalanx", description="Distributed data-parallel NLP training.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="phalanx", description="Distributed data-parallel NLP training.",
+                                     epilog="'phalanx COMMAND --help' lists a command's options.")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     p = sub.add_parser("train", help="train (launches workers through torch.distributed.run)")
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
@@ -158,7 +160,11 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
+    if command is None and not {"-h", "--help"} & set(argv):  # a bare `phalanx`: the commands, not argparse's
+        print(parser.format_help(), end="", file=sys.stderr)  # "arguments are required"
+        return EXIT_BAD_INPUT
     args, rest = parser.parse_known_args(argv)
     # key=value overrides may come after flags (argparse stops filling `items` at the first flag)
     stray = [r for r in rest if r.startswith("-")]

@@ -62,7 +62,8 @@ def test_phalanx_prepare_runs_on_every_tasks_example_config(tmp_path):
         proc = phalanx(*args, timeout=120)
         assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
         outputs[config] = proc.stdout
-        lines = [line for line in proc.stdout.splitlines() if not line.startswith("phalanx:")]
+        lines = [line.removeprefix("phalanx: ") for line in proc.stdout.splitlines()
+                 if line.startswith(("phalanx: train:", "phalanx: validation:"))]  # each split's summary, once
         assert [line.split(":")[0] for line in lines] == ["train", "validation"][:len(data)], proc.stdout
         assert all(text in line and "prepared in" in line for text, line in zip(expected, lines)), lines
         again = [line for line in phalanx(*args, timeout=120, check=True).stdout.splitlines() if line.strip()]

@@ -159,3 +159,19 @@ def test_config_show_lists_what_the_task_reads(capsys):
         and "preference.beta" not in shown and "data.train " in shown
     assert main(["config", "--show"]) == 0
     assert "classify.labels" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override, meaning", [("train.activation_checkpointing=true", "full"),
+                                               ("train.activation_checkpointing=false", "none"),
+                                               ("log.progress=false", "off"), ("data.order=true", "")])
+def test_a_yaml_boolean_for_named_choices_lists_them_and_says_what_it_would_mean(override, meaning):
+    """`train.activation_checkpointing=true` said only "expected str, got bool"."""
+    key, _, said = override.partition("=")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override], check_paths=False)
+    text = str(e.value)
+    assert "expected str" not in text and f"got {said}" in text, text
+    choices = {"train.activation_checkpointing": "none, full, every_k", "log.progress": "auto, bar, lines, off",
+               "data.order": "auto, global, windowed"}[key]
+    assert choices in text, text
+    assert (f"would mean {meaning}: write {key}={meaning}" if meaning else "none of them") in text, text

@@ -128,6 +128,16 @@ def _coerce(value: Any, tp, key: str):
     raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {shown} ({value!r})")
 
 
+def _boolean_for_choices(key: str, value: bool, meta: dict) -> str:
+    """A YAML true/false given to a key of named choices: the choices, and which one true (false) would mean."""
+    choices = ", ".join(str(c) for c in meta["choices"])
+    said = str(value).lower()
+    means = dict(zip((True, False), meta.get("boolean") or ()))
+    hint = (f"{said} would mean {means[value]}: write {key}={means[value]}" if value in means else
+            f"{said} means none of them here; name one")
+    return f"config key '{key}': expected one of {choices}, got {said} (a YAML boolean); {hint}"
+
+
 def _build(cls, raw: dict, prefix: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': expected a mapping, "
@@ -146,6 +156,8 @@ def _build(cls, raw: dict, prefix: str):
             kwargs[f.name] = _build(tp, raw[f.name] if raw[f.name] is not None else {}, key + ".")
         elif isinstance(raw[f.name], bool) and "true" in (f.metadata.get("choices") or ()):
             kwargs[f.name] = "true" if raw[f.name] else "false"  # YAML's true/false for an auto|true|false key
+        elif isinstance(raw[f.name], bool) and f.metadata.get("choices"):
+            raise ConfigError(_boolean_for_choices(key, raw[f.name], f.metadata))
         else:
             kwargs[f.name] = _coerce(raw[f.name], tp, key)
     return cls(**kwargs)

@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def setting(default, help: str, *, min=None, max=None, choices=None, path=False, factory=None):
-    meta = {"help": help, "min": min, "max": max, "choices": choices, "path": path}
+def setting(default, help: str, *, min=None, max=None, choices=None, path=False, factory=None, boolean=None):
+    """A config key. `boolean`: for a key of named choices, the (true, false) choices a YAML true/false given to it
+    would mean (the error says so; the key stays a name)."""
+    meta = {"help": help, "min": min, "max": max, "choices": choices, "path": path, "boolean": boolean}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -157,7 +159,7 @@ class TrainConfig:
                                             "instead of keeping them (less memory, ~1/3 more compute; same losses and "
                                             "gradients): none, full = every block, every_k = blocks 0, k, 2k, ... "
                                             "with k = train.activation_checkpointing_every",
-                                            choices=["none", "full", "every_k"])
+                                            choices=["none", "full", "every_k"], boolean=("full", "none"))
     activation_checkpointing_every: int = setting(2, "k of activation_checkpointing=every_k: checkpoint every k-th "
                                                   "transformer block", min=1)
     cpu_offload: bool = setting(False, "fsdp on GPUs: keep parameter shards, their gradients and the optimizer state "
@@ -212,7 +214,7 @@ class LogConfig:
     wandb_project: str = setting("", "also log to this Weights & Biases project (needs the wandb extra)")
     mlflow_experiment: str = setting("", "also log to this MLflow experiment (needs the mlflow extra)")
     progress: str = setting("auto", "progress bar on rank 0: auto = only on an interactive terminal",
-                            choices=["auto", "bar", "lines", "off"])
+                            choices=["auto", "bar", "lines", "off"], boolean=("bar", "off"))
     peak_tflops: float = setting(0.0, "peak dense TFLOP/s for MFU: of one GPU, or of one node's CPUs; 0 = a built-in "
                                  "table for known GPUs (16-bit or fp32 by train.precision), no MFU on CPU", min=0.0)
     telemetry: bool = setting(True, "per-rank cost accounting: gradient-communication timing (a DDP comm hook), "

@@ -28,6 +28,7 @@ class S3Server:
         os.environ.update(self.env)
         import s3fs
 
+        s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps clients by arguments: not one of an earlier server
         self.fs = s3fs.S3FileSystem(endpoint_url=self.endpoint, skip_instance_cache=True)  # the tests' own client
         return self
 
@@ -38,6 +39,9 @@ class S3Server:
             else:
                 os.environ[key] = value
         self.server.stop()
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()  # its clients would reach a closed port (the next module's server)
 
     def bucket(self, name: str) -> str:
         """A new bucket; its URL."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -151,7 +152,13 @@ class TokenStore:
     """One per-token array of a complete store as one stream (`ids` by default): `slice(lo, hi)` or
     `store[lo:hi]` reads across shard boundaries. Shards are memory-mapped when first read; a store kept on
     object storage maps them from the node-local cache (`cache`), which fetches each when asked, and
-    `keep_only` releases the maps the order no longer needs (so the cache may evict them)."""
+    `keep_only` releases the maps the order no longer needs (so the cache may evict them).
+
+    Thread-safe: on a GPU the next step is collated on a thread (run/batches.py) while the main thread
+    releases maps and evaluates. The maps and descriptors change only under `_lock`, which is never held while
+    a shard is opened (that may wait for a download): two threads that map one shard at once keep the first
+    map, and the second closes its descriptor. An array handed out stays readable when its map is released
+    (the mapping holds its own descriptor, and so the cache's shared lock, until it is freed)."""
 
     def __init__(self, folder: str | Path, name: str = "ids"):
         self.folder, self.name = Path(folder), name
@@ -165,6 +172,7 @@ class TokenStore:
         self._maps: dict[int, np.ndarray] = {}
         self._fds: dict[int, int] = {}
         self._keep: set[int] = set()  # a cached store keeps these mapped between reads (the lookahead)
+        self._lock = threading.Lock()  # guards _maps and _fds (see the class docstring)
         self.starts = np.zeros(len(self.shards) + 1, dtype=np.int64)
         np.cumsum([s["tokens"] for s in self.shards], out=self.starts[1:])
 
@@ -176,22 +184,32 @@ class TokenStore:
 
     def shard(self, k: int) -> np.ndarray:
         """Shard k's array, mapped on first use."""
-        if k not in self._maps:
-            if self.cache is None:
-                self._maps[k] = shard_array(self.folder, self.shards[k], self.name)
-            else:
-                fd = self._fds[k] = self.cache.open(self.file_of(k))
-                self._maps[k] = np.memmap(os.fdopen(os.dup(fd), "rb"), dtype=self.dtype, mode="r",
-                                          shape=(self.shards[k]["tokens"],))
-        return self._maps[k]
+        mapped = self._maps.get(k)  # one dict lookup is atomic: the lock only orders changes
+        if mapped is not None:
+            return mapped
+        fd = None
+        if self.cache is None:
+            mapped = shard_array(self.folder, self.shards[k], self.name)
+        else:  # outside the lock: it may wait for the node's downloader
+            fd = self.cache.open(self.file_of(k))
+            mapped = np.memmap(os.fdopen(os.dup(fd), "rb"), dtype=self.dtype, mode="r",
+                               shape=(self.shards[k]["tokens"],))
+        with self._lock:
+            first = self._maps.setdefault(k, mapped)
+            if first is mapped and fd is not None:
+                self._fds[k], fd = fd, None
+        if fd is not None:  # another thread mapped it meanwhile: its map is the one kept
+            os.close(fd)
+        return first
 
     def keep_only(self, shards: set[int]) -> None:
         """Release the maps (and the cache's shared locks) of every other shard; with a cache, a shard
         outside `shards` is mapped only while it is read (an evaluation pass never pins the cache)."""
-        self._keep = set(shards)
-        for k in [k for k in self._maps if k not in shards]:
-            del self._maps[k]
-            fd = self._fds.pop(k, None)
+        keep = set(shards)
+        with self._lock:
+            self._keep = keep
+            released = [(self._maps.pop(k), self._fds.pop(k, None)) for k in list(self._maps) if k not in keep]
+        for _, fd in released:
             if fd is not None:
                 os.close(fd)
 
@@ -216,5 +234,5 @@ class TokenStore:
         out = np.concatenate(parts) if len(parts) > 1 else np.array(parts[0]) if parts else \
             np.zeros(0, dtype=self.dtype)
         if self.cache is not None and len(self._maps) > len(self._keep):
-            self.keep_only(self._keep)
+            self.keep_only(self._keep)  # (a set is replaced, never changed: reading it here is safe)
         return out

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from phalanx.core.errors import ConfigError
 from phalanx.core.sections import LoraSettings
 from phalanx.model.init import name_seed
 from phalanx.model.slices import local, rows, write_local
@@ -40,16 +41,54 @@ def apply_lora(model: nn.Module, lora: LoraSettings, token_ids: list[int]) -> nn
     """`model` wrapped by peft with LoRA on `lora.target_modules` (all linear layers but the head when
     empty); the embedding rows of `token_ids` (the chat template's tokens: added to the vocabulary, or in
     it but never trained, such as a base model's end-of-turn token) train as peft's trainable tokens.
-    On the meta device nothing is allocated (the Builder initialises the adapters by name)."""
-    from peft import LoraConfig, get_peft_model  # lazy: only runs with model.lora.r > 0 import peft
+    On the meta device nothing is allocated (the Builder initialises the adapters by name). ConfigError for
+    a target whose merged export could not be what trains (check_targets)."""
+    from peft import get_peft_model  # lazy: only runs with model.lora.r > 0 import peft
 
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=list(lora.target_modules) or "all-linear",
-                        trainable_token_indices=_token_rows(model, token_ids) or None, task_type="CAUSAL_LM")
+    check_targets(model, lora, token_ids)
     with warnings.catch_warnings():  # GPT-2's Conv1D: peft sets fan_in_fan_out itself and says so
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", FutureWarning)
-        return get_peft_model(model, config)
+        return get_peft_model(model, _config(model, lora, token_ids))
+
+
+def _config(model: nn.Module, lora: LoraSettings, token_ids: list[int]):
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=list(lora.target_modules) or "all-linear",
+                      trainable_token_indices=_token_rows(model, token_ids) or None, task_type="CAUSAL_LM")
+
+
+def check_targets(model: nn.Module, lora: LoraSettings, token_ids: list[int] = ()) -> None:
+    """ConfigError naming model.lora.target_modules when they adapt a layer whose merged export (RUN/final)
+    could not be what trains: the input embedding or the output head when the two share one weight (LoRA
+    adapts that weight in one place only; merged into it, as peft's merge_and_unload merges, both would
+    change — and the head's adapter is not even written, the tie being exported once under the embedding's
+    name), or a layer whose rows train for the chat template (`token_ids`: peft's trainable tokens cannot
+    share a layer with LoRA, peft raises a TypeError). Any other embedding (GPT-2's wpe, an untied input
+    embedding) merges (merged_entries). `model`: the base model, on the meta device or not."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    if not lora.target_modules:
+        return  # all-linear (the default) adapts neither the embedding nor the head
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = out is not None and out.weight is inp.weight
+    names, rows_train = {id(m): n for n, m in model.named_modules()}, _token_rows(model, token_ids)
+    config = _config(model, lora, [])
+    for layer, role, other in ((inp, "input embedding", "output head"), (out, "output head", "input embedding")):
+        name = names.get(id(layer)) if layer is not None else None
+        if name is None or not check_target_module_exists(config, name):
+            continue
+        if tied:
+            why = (f"shares its weight with the {other} (tied): LoRA adapts it in one place only, a merged RUN/final "
+                   f"would change both; leave it out")
+        elif name in rows_train:
+            why = ("has rows that train for the chat template's tokens (peft's trainable tokens, which cannot share "
+                   "a layer with LoRA); leave it out (those rows train anyway)")
+        else:
+            continue
+        raise ConfigError(f"model.lora.target_modules={','.join(lora.target_modules)}: the {role} '{name}' {why}")
 
 
 def _token_rows(model: nn.Module, token_ids: list[int]) -> dict[str, list[int]]:
@@ -148,7 +187,8 @@ def _init_token_rows(layer, name: str, todo: dict) -> None:
 class Merged:
     """A base weight of the export with its adapter merged in: `base` (this rank's tensor, maybe a shard),
     `adapters` (tensors every rank gathers whole: LoRA's A and B, both r x dim, or trainable-token rows),
-    `merge(base fp32, adapters fp32)` -> the merged weight in fp32, on the rank that writes it."""
+    `merge(base fp32, adapters fp32)` -> the merged weight in fp32, on the rank that writes it. `merge` may
+    write into the base it is given: the writer's own copy (run/export.py), never the model's weight."""
     base: torch.Tensor
     adapters: list[torch.Tensor]
     merge: Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor]
@@ -156,10 +196,10 @@ class Merged:
 
 def merged_entries(model: nn.Module, entries: list[tuple[str, torch.Tensor]]) -> list[tuple]:
     """The export entries of `model.get_base_model()` (build.export_entries: peft-injected names) -> (the
-    base model's name, its tensor, how to merge it or None), adapters left out. LoRA merges
-    as peft's `merge` does (W + scaling x B @ A, transposed for GPT-2's Conv1D), trainable tokens replace
-    their rows; all in fp32 (the base may be stored in 16 bit)."""
-    from peft.tuners.lora import LoraLayer
+    base model's name, its tensor, how to merge it or None), adapters left out. LoRA merges as peft's
+    `merge` does (W + scaling x B @ A; transposed for GPT-2's Conv1D and for an embedding, whose A is
+    r x rows and B columns x r), trainable tokens replace their rows; all in fp32 (the base may be stored in
+    16 bit). Nothing here changes the model: the merge runs on the writer's copy."""
     from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
 
     base_model = model.get_base_model()
@@ -171,16 +211,32 @@ def merged_entries(model: nn.Module, entries: list[tuple[str, torch.Tensor]]) ->
         owner = owner.removesuffix(".base_layer")
         layer = base_model.get_submodule(owner) if owner else None
         merged = None
-        if leaf == "weight" and isinstance(layer, LoraLayer) and layer.lora_A:
-            adapter = next(iter(layer.lora_A))
-            merged = Merged(tensor, [layer.lora_A[adapter].weight, layer.lora_B[adapter].weight],
-                            partial(_merge_lora, scaling=layer.scaling[adapter], transpose=layer.fan_in_fan_out))
+        if leaf == "weight" and (lora := _lora_factors(layer)) is not None:
+            a, b, scaling, transpose = lora
+            merged = Merged(tensor, [a, b], partial(_merge_lora, scaling=scaling, transpose=transpose))
         elif leaf == "weight" and isinstance(layer, TrainableTokensLayer):
             adapter = next(iter(layer.token_indices))
             merged = Merged(tensor, [layer.trainable_tokens_delta[adapter]],
                             partial(_merge_rows, indices=layer.token_indices[adapter]))
         out.append((base_name(name), tensor, merged))
     return out
+
+
+def _lora_factors(layer) -> tuple[torch.Tensor, torch.Tensor, float, bool] | None:
+    """A LoRA layer's (A, B, scaling, transposed): a Linear's or Conv1D's lora_A/lora_B, an embedding's
+    lora_embedding_A/B (peft's delta is (B @ A).T there); None for any other layer."""
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(layer, LoraLayer):
+        return None
+    if layer.lora_A:
+        adapter = next(iter(layer.lora_A))
+        return (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight, layer.scaling[adapter],
+                layer.fan_in_fan_out)
+    if layer.lora_embedding_A:
+        adapter = next(iter(layer.lora_embedding_A))
+        return layer.lora_embedding_A[adapter], layer.lora_embedding_B[adapter], layer.scaling[adapter], True
+    return None
 
 
 def _merge_lora(weight: torch.Tensor, adapters: list[torch.Tensor], scaling: float, transpose: bool) -> torch.Tensor:
@@ -190,7 +246,8 @@ def _merge_lora(weight: torch.Tensor, adapters: list[torch.Tensor], scaling: flo
 
 
 def _merge_rows(weight: torch.Tensor, adapters: list[torch.Tensor], indices: list[int]) -> torch.Tensor:
-    return weight.index_copy(0, torch.tensor(indices), adapters[0])
+    """`weight` (fp32, the writer's own copy) with the trainable-token rows in place of its own, in place."""
+    return weight.index_copy_(0, torch.tensor(indices), adapters[0])
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -13,7 +13,9 @@ the export, so the end of a run does not peak above its steps: file_limit), the 
 ranks in turn, and each tensor is gathered to the rank that writes its file only; every rank writes its
 files on a thread while the gathers go on. One file is model.safetensors (rank 0); more are
 model-0000k-of-0000n.safetensors plus the model.safetensors.index.json that from_pretrained reads. A
-merged weight is gathered with its layer's adapters, merged in fp32 on its writer, then cast.
+merged weight is gathered with its layer's adapters, merged in fp32 on its writer, then cast; the merge
+goes into the writer's copy of that one tensor (a gathered or cast one; a ddp run's fp32 weight on the CPU
+is copied first), so the model is left as it trained.
 
 The weights are written in `train.export_dtype` (`export_dtype`: auto = the pretrained base's own dtype),
 cast from the weights as each tensor is written (fp32 master weights; a LoRA base may be stored in 16 bit,
@@ -158,7 +160,17 @@ def _gather_entry(t: torch.Tensor, merge: Merged | None, dtype: torch.dtype, wri
     if merge is None:
         return full if full is None else full.to(dtype)
     adapters = [(a.full_tensor() if isinstance(a, DTensor) else a).detach().float().cpu() for a in merge.adapters]
-    return None if full is None else merge.merge(full.float(), adapters).to(dtype).contiguous()
+    return None if full is None else merge.merge(_own_fp32(full, t), adapters).to(dtype).contiguous()
+
+
+def _own_fp32(full: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`full` in fp32 as a tensor of the writer's own, which the merge may write into (in place, no
+    delta-sized temporary). A gathered shard, a tensor moved off the GPU or cast from 16 bit is one already;
+    a whole fp32 weight on the CPU (ddp) is the model's own storage, so that one tensor is copied."""
+    work = full.float()
+    if work.untyped_storage().data_ptr() == local(t).untyped_storage().data_ptr():
+        work = work.clone()
+    return work
 
 
 def gather_to(t: torch.Tensor, writer: int, info: dist.DistInfo) -> torch.Tensor | None:

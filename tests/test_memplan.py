@@ -26,10 +26,14 @@ def test_fsdp_shards_what_the_optimizer_holds_and_lora_trains_little():
                             "cpu", 100 * GB)
     assert ddp.weights == 4 * s.parameters and ddp.optimizer == 8 * s.parameters
     assert fsdp.optimizer == pytest.approx(ddp.optimizer / 4) and fsdp.gradients == pytest.approx(ddp.gradients / 4)
-    # the shard, a unit gathered twice (in the compute dtype) and, training it all, its gradients' buffers
+    # the shard, the root unit gathered once and a block twice (in the compute dtype) and, training it all, the
+    # largest unit's gradient buffers at the end of backward
     fsdp_cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, strategy="fsdp"))
-    units = memplan._unit_transients(fsdp_cfg, s, "cpu")
-    assert fsdp.weights == pytest.approx(s.parameters + units) and units >= (4 + 18) * s.largest_unit
+    gathers, unit_gradients = memplan._unit_transients(fsdp_cfg, s, "cpu")
+    assert s.root + s.layers * s.block == s.parameters and s.largest_unit == max(s.root, s.block)
+    assert gathers == pytest.approx(4 * (s.root + 2 * s.block))
+    assert unit_gradients == pytest.approx(memplan.UNIT_GRADIENT_BYTES * s.largest_unit)
+    assert fsdp.weights == pytest.approx(s.parameters + gathers)
     lora = cfg_of("task=chat", "model.n_layer=8", "model.n_embd=512", "model.n_head=8", "model.lora.r=8")
     ls = memplan.shapes(lora)
     assert ls.trainable < 0.05 * ls.parameters
@@ -41,9 +45,97 @@ def test_every_k_counts_the_blocks_the_trainer_checkpoints():
     cfg = cfg_of("model.n_layer=5", "train.activation_checkpointing=every_k", "train.activation_checkpointing_every=2")
     s = memplan.shapes(cfg)
     tokens = cfg.train.micro_batch_size * cfg.model.block_size
-    a = memplan.ACTIVATION_BYTES["gpt2"]
-    expected = (4 * 3 + a * (2 + 1)) * tokens * s.hidden
+    block, adapters = memplan.block_activation_bytes(s, cfg.model.block_size, cfg.model.lora)
+    per_token = block * memplan.activation_factor(cfg, s, tokens, "cpu", False)
+    assert adapters == 0
+    expected = 4 * 3 * tokens * s.hidden + per_token * (2 + 1) * tokens
     assert memplan.estimate(cfg, s, 1, "cpu", 100 * GB).activations == pytest.approx(expected)
+
+
+def _with(cfg, **train):
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
+
+
+def test_fsdp_sync_counts_the_gradient_backward_starts_with():
+    """With accumulation, train.fsdp_sync=step holds every unit's unsharded fp32 gradient (4 T) until the last
+    micro-batch, micro_batch only this rank's accumulated shard (4 T / S); one micro-batch per step: the same."""
+    base = _with(cfg_of("model.n_layer=4", "model.n_embd=512", "model.n_head=8", "model.block_size=64",
+                        "data.vocab_size=4096"), strategy="fsdp", micro_batch_size=1)
+    s = memplan.shapes(base)
+    plans = {(sync, accum): memplan.estimate(_with(base, fsdp_sync=sync, global_batch_size=4 * accum), s, 4, "cpu",
+                                              100 * GB) for sync in ("micro_batch", "step") for accum in (1, 2)}
+    assert plans["step", 1].peak == plans["micro_batch", 1].peak
+    assert plans["micro_batch", 2].peak >= plans["micro_batch", 1].peak
+    # backward's start is the peak of both accumulating plans here (activations on top of the held gradient)
+    assert plans["step", 2].peak - plans["micro_batch", 2].peak == pytest.approx(4 * s.trainable * (1 - 1 / 4))
+    room = (plans["step", 2].peak + plans["micro_batch", 2].peak) / 2  # the same update, in less memory
+    assert memplan.suggest(_with(base, fsdp_sync="step", global_batch_size=8), s, 4, "cpu", room) == \
+        "train.fsdp_sync=micro_batch"
+    ddp = memplan.estimate(_with(base, strategy="ddp", fsdp_sync="step", global_batch_size=8), s, 4, "cpu", 100 * GB)
+    assert ddp.peak == memplan.estimate(_with(base, strategy="ddp", global_batch_size=8), s, 4, "cpu", 100 * GB).peak
+
+
+def test_the_heads_term_follows_the_chunked_head():
+    """model/head.py: no B x T x V tensor. A few chunks of fp32 logits of at most head.CHUNK_BYTES each, the
+    selected hidden states and their gradient, and where the head trains two V x H fp32 tensors in backward."""
+    from phalanx.model import head
+
+    cfg = cfg_of("model.n_layer=2", "model.n_embd=256", "model.n_head=4", "data.vocab_size=50000")
+    s = memplan.shapes(cfg)
+    rows = head.CHUNK_BYTES // (4 * s.vocab)
+    assert rows == head.chunk_rows(s.vocab) and 1 < rows < 4096
+    big = memplan.head_bytes(s, 4096, trains_head=True)
+    weight = memplan.HEAD_WEIGHT_GRADIENTS * 4 * s.vocab * s.hidden
+    assert big == pytest.approx(memplan.LOGIT_CHUNKS * 4 * rows * s.vocab + 2 * 4 * 4096 * s.hidden + weight)
+    assert memplan.head_bytes(s, 4096, trains_head=False) == pytest.approx(big - weight)  # LoRA: a frozen head
+    # past one chunk more targets add their hidden states only; the old term was 12 bytes per target per entry
+    assert memplan.head_bytes(s, 8192, trains_head=False) - memplan.head_bytes(s, 4096, trains_head=False) == \
+        pytest.approx(2 * 4 * 4096 * s.hidden)
+    assert memplan.head_bytes(s, 4096, trains_head=True) < 0.1 * 12 * 4096 * s.vocab
+    small = memplan.head_bytes(s, 8, trains_head=False)  # fewer targets than a chunk: those rows only
+    assert small == pytest.approx(memplan.LOGIT_CHUNKS * 4 * 8 * s.vocab + 2 * 4 * 8 * s.hidden)
+    other = dataclasses.replace(s, arch="gpt_neox")  # a head model/head.py does not fuse: logits at targets only
+    assert memplan.head_bytes(other, 100, trains_head=True) == 12 * 100 * s.vocab
+    plan = memplan.estimate(cfg, s, 1, "cpu", 100 * GB)
+    assert plan.logits == memplan.head_bytes(s, cfg.train.micro_batch_size * cfg.model.block_size, True)
+    classify = cfg_of("task=classify", "model.n_layer=2", "model.n_embd=256", "model.n_head=4")
+    assert memplan.estimate(classify, memplan.shapes(classify), 1, "cpu", 100 * GB).logits == 0
+
+
+def test_activations_follow_the_blocks_saved_tensors():
+    """Bytes a block saves per token, fp32 (counted with saved-tensor hooks on these shapes): GPT-2 4 (8 h + 5 I)
+    (with dropout + 16 h and 12 x heads x seq: math-path attention), Llama 4 (8 h + 2 kv + 4 I); LoRA's
+    adapters each adapted layer's input and its 1-byte dropout mask."""
+    gpt2 = memplan.shapes(cfg_of("model.n_layer=2", "model.n_embd=256", "model.n_head=4"))
+    lora_off = cfg_of().model.lora
+    assert gpt2.intermediate == 1024 and gpt2.dropout == 0
+    assert memplan.block_activation_bytes(gpt2, 128, lora_off) == pytest.approx((4 * (8 + 20) * 256, 0))
+    dropped = dataclasses.replace(gpt2, dropout=0.1)
+    assert memplan.block_activation_bytes(dropped, 128, lora_off)[0] == pytest.approx(
+        4 * 28 * 256 + 16 * 256 + 12 * 4 * 128)
+    llama = memplan.shapes(cfg_of("model.arch=llama", "model.n_layer=2", "model.n_embd=256", "model.n_head=4"))
+    assert (llama.intermediate, llama.kv_width) == (1024, 256)
+    assert memplan.block_activation_bytes(llama, 128, lora_off)[0] == pytest.approx(4 * (8 + 2 + 16) * 256)
+    lora = cfg_of("task=chat", "model.arch=llama", "model.n_layer=2", "model.n_embd=256", "model.n_head=4",
+                  "model.lora.r=8")
+    ls = memplan.shapes(lora)
+    assert ls.lora_inputs == 6 * 256 + 1024  # q, k, v, o, gate, up read h; down reads I
+    assert memplan.block_activation_bytes(ls, 128, lora.model.lora) == pytest.approx(
+        (4 * 26 * 256, 5 * ls.lora_inputs))
+
+
+def test_activations_cost_more_where_they_come_from_the_heaps():
+    """A block's tensors (tokens x h fp32) under glibc's mmap threshold come from its heaps: 1 MiB where fsdp
+    returns freed memory, 32 MiB where ddp keeps it; at or above it each is mapped on its own."""
+    cfg = cfg_of("model.n_layer=2", "model.n_embd=1024", "model.n_head=16", "model.block_size=512")
+    s = memplan.shapes(cfg)
+    fsdp = _with(cfg, strategy="fsdp")
+    assert memplan.activation_factor(fsdp, s, 512, "cpu", False) == memplan.MAPPED_FACTOR  # 2 MiB tensors
+    assert memplan.activation_factor(fsdp, s, 64, "cpu", False) == memplan.HEAP_FACTOR    # 256 KiB
+    assert memplan.activation_factor(fsdp, s, 256, "cpu", True) == memplan.HEAP_FACTOR    # 16-bit: 512 KiB
+    assert memplan.activation_factor(cfg, s, 512, "cpu", False) == memplan.HEAP_FACTOR     # ddp keeps freed memory
+    assert memplan.activation_factor(cfg, s, 512, "cuda", False) == memplan.MAPPED_FACTOR
+    assert memplan.HEAP_FACTOR > memplan.MAPPED_FACTOR
 
 
 def test_a_pretrained_tokenizer_sizes_the_vocabulary(tmp_path):
@@ -57,15 +149,16 @@ def test_a_pretrained_tokenizer_sizes_the_vocabulary(tmp_path):
 def test_a_plan_that_does_not_fit_names_the_smallest_change():
     cfg = cfg_of("model.block_size=512", "train.micro_batch_size=32", "train.global_batch_size=64")
     s = memplan.shapes(cfg)
-    plan = memplan.estimate(cfg, s, 1, "cpu", 3 * GB)
+    room = 0.75 * memplan.estimate(cfg, s, 1, "cpu", 0).peak  # activations are most of it
+    plan = memplan.estimate(cfg, s, 1, "cpu", room)
     assert not plan.fits
-    fix = memplan.suggest(cfg, s, 1, "cpu", 3 * GB)
+    fix = memplan.suggest(cfg, s, 1, "cpu", room)
     assert fix and fix.startswith("train.")
     key, value = fix.split()[0].split("=")
     section, name = key.split(".")
     typed = type(getattr(cfg.train, name))(value)
     fixed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{name: typed}))
-    assert memplan.estimate(fixed, s, 1, "cpu", 3 * GB).fits
+    assert memplan.estimate(fixed, s, 1, "cpu", room).fits
     assert memplan.suggest(cfg, s, 1, "cpu", 0.1 * GB) is None  # nothing small enough: no false promise
 
 
@@ -116,8 +209,8 @@ def test_lora_plans_the_base_in_its_stored_dtype_and_suggests_fsdp(tmp_path):
     fsdp = memplan.estimate(fsdp_cfg, s, 4, "cpu", 100 * GB)
     frozen = s.parameters - s.trainable
     assert ddp.weights == pytest.approx(2 * frozen + 4 * s.trainable)
-    # bf16 gathers; LoRA's gradients are a sliver of a unit
-    assert fsdp.weights == pytest.approx((2 * frozen + 4 * s.trainable) / 4 + 4 * s.largest_unit, rel=0.02)
+    # bf16 gathers of the root and of a block twice; LoRA's gradients are a sliver of a unit
+    assert fsdp.weights == pytest.approx((2 * frozen + 4 * s.trainable) / 4 + 2 * (s.root + 2 * s.block), rel=0.02)
     fp32 = dataclasses.replace(lora, model=dataclasses.replace(lora.model, base_dtype="fp32"))
     assert memplan.estimate(fp32, s, 4, "cpu", 100 * GB).weights == pytest.approx(4 * s.parameters)
     room = (ddp.peak + fsdp.peak) / 2  # fits sharded, not whole

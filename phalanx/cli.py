@@ -116,14 +116,14 @@ def cmd_prepare(args) -> int:
 def cmd_config(args) -> int:
     import yaml
 
-    from phalanx.core.config import describe, describe_markdown, load_config, to_dict
+    from phalanx.core.config import describe, describe_markdown, load_config, shown_dict
 
     config, overrides = _split_config_and_overrides(args.items)
     if args.show:  # with a config or task=...: what that task reads; else every key
         task = load_config(config, overrides, check_paths=False).task if args.items else None
         print("\n".join(describe_markdown() if args.markdown else describe(task=task)).lstrip())
         return 0
-    print(yaml.safe_dump(to_dict(load_config(config, overrides)), sort_keys=False), end="")
+    print(yaml.safe_dump(shown_dict(load_config(config, overrides)), sort_keys=False), end="")  # a URL's secret hidden
     return 0
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from phalanx.core.errors import ConfigError  # also re-exported: `from phalanx.core.config import ConfigError`
+from phalanx.core.errors import redact
 from phalanx.core.faults import parse_fault
 from phalanx.core import renames
 from phalanx.core.registry import TASK_SECTIONS, TASKS
@@ -87,6 +88,22 @@ TRAINING_RELEVANT = ("task", "data.train", "data.validation", "data.val_fraction
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def shown_dict(cfg) -> dict:
+    """to_dict with every URL's secret redacted (errors.redact): what is printed, logged or saved in the run
+    folder; the run itself keeps the real values."""
+    def hide(value):
+        if isinstance(value, str):
+            return redact(value)
+        if isinstance(value, dict):
+            return {k: hide(v) for k, v in value.items()}
+        return [hide(v) for v in value] if isinstance(value, list) else value
+    return hide(to_dict(cfg))
+
+
+def has_secret(cfg) -> bool:
+    return shown_dict(cfg) != to_dict(cfg)
 
 
 def _type_name(tp) -> str:
@@ -294,9 +311,16 @@ def check_world(cfg: Config, world_size: int) -> int:
     return t.global_batch_size // per_step
 
 
+def config_yaml(cfg: Config, *, secrets: bool = False) -> str:
+    """The config as YAML, a URL's secret redacted; `secrets`: as it is (the workers' own file, private to the
+    user: tools/launch.worker_config)."""
+    return yaml.safe_dump(to_dict(cfg) if secrets else shown_dict(cfg), sort_keys=False)
+
+
 def save_yaml(cfg: Config, path: str | os.PathLike) -> None:
+    """RUN/config.yaml: the config, a URL's secret redacted."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_text(Path(path), yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    write_text(Path(path), config_yaml(cfg))
 
 
 def group_by_length(cfg: Config) -> bool:

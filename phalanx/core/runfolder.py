@@ -11,6 +11,8 @@ import socket
 import time
 from pathlib import Path
 
+from phalanx.core.errors import redact
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HANG, EXIT_PREEMPTED = 0, 1, 2, 3, 75
 
 
@@ -73,7 +75,7 @@ class RunFolder:
         write_json(self.preempted, {"step": step, "signal": signal_name})
 
     def mark_error(self, message: str, step: int | None) -> None:
-        write_json(self.error, {"error": message, "step": step})
+        write_json(self.error, {"error": redact(message), "step": step})
 
     def mark_rank_error(self, rank: int, error: BaseException, trace: str, lost_peer: bool) -> None:
         """A worker's own account of why it failed, read by the launcher's failure account. `lost_peer`:
@@ -83,9 +85,9 @@ class RunFolder:
         kind = type(error)
         write_json(self.errors / f"rank{rank}.json", {
             "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
-            "error": f"{kind.__name__}: {first}".rstrip(": "),
+            "error": redact(f"{kind.__name__}: {first}".rstrip(": ")),
             "type": kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}",
-            "lost_peer": lost_peer, "traceback": trace})
+            "lost_peer": lost_peer, "traceback": redact(trace)})
 
     def rank_record(self, pid: int) -> dict | None:
         """The error record of this machine's worker with this pid, if it wrote one (several nodes share

@@ -22,6 +22,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from tqdm import tqdm
 
 from phalanx.core import host
+from phalanx.core.errors import redact
 from phalanx.data import pieces
 from phalanx.data.remote import Place
 
@@ -164,6 +165,6 @@ class Encoding:
                     self.bar.update(piece.size)
             if self.others and not said:
                 print(f"phalanx: waiting for {len(self.others)} piece(s) another preparation is encoding "
-                      f"into {self.place.url or self.place.local}", file=sys.stderr, flush=True)
+                      f"into {redact(self.place.url) or self.place.local}", file=sys.stderr, flush=True)
                 said = True
             time.sleep((1.0 if self.place.remote else 0.2) if self.others else 0)

@@ -25,6 +25,7 @@ import numpy as np
 
 from phalanx.core import host
 from phalanx.core.config import Config, ConfigError
+from phalanx.core.errors import redact
 from phalanx.core.runfolder import write_json
 from phalanx.data import cache, pieces, pool, readers, remote, samplers, store
 from phalanx.data import tokenizer as toks
@@ -281,12 +282,12 @@ def _summary(source: Source, place: remote.Place, records: list[dict], seconds: 
     tokens, size, split = sum(r["tokens"] for r in records), sum(r["bytes_in"] for r in records), source.split
     stored = sum(sum(remote.array_sizes(r).values()) for r in records)
     folder = place.url or place.local
-    return {"split": split.name, "source": split.spec or "builtin",
+    return {"split": split.name, "source": redact(split.spec) or "builtin",  # printed, and in the index
             "files": len(source.files) or 1,
             "documents": sum(r["documents"] for r in records), "tokens": tokens, "shards": len(records),
             "store_bytes": stored, "input_bytes": size, "seconds": round(seconds, 3),
             "mb_per_s": round(size / 1e6 / max(seconds, 1e-9), 2), "tokens_per_s": round(tokens / max(seconds, 1e-9)),
-            "workers": workers, "folder": str(folder), **extras}
+            "workers": workers, "folder": redact(str(folder)), **extras}
 
 
 def describe(s: dict) -> str:

@@ -23,6 +23,7 @@ import fsspec
 import numpy as np
 import psutil
 
+from phalanx.core.errors import redact
 from phalanx.core.runfolder import write_json
 from phalanx.data import shard_cache, store
 
@@ -273,7 +274,7 @@ def fetch_folder(url: str, tmp: Path) -> None:
     """The folder `share_folder` uploaded, into `tmp` (renamed into place by cache.build_once)."""
     fs, root = fsspec.core.url_to_fs(url)
     if not fs.exists(f"{root}/.done"):
-        raise FileNotFoundError(f"'{url}' not prepared (run `phalanx prepare` with this config)")
+        raise FileNotFoundError(f"'{redact(url)}' not prepared (run `phalanx prepare` with this config)")
     tmp.mkdir(parents=True)
     for name, info in fs.find(root, detail=True).items():
         if not name.endswith("/.done"):
@@ -297,7 +298,7 @@ def open_cached(place: Place, index: dict, limit_bytes: int) -> None:
         for name, (_, per) in store.arrays_of(r).items():
             if per == "tokens":
                 files[store.array_file(r["fingerprint"], name)] = (sizes[name], r.get("sha256", {}).get(name))
-    shard_cache.write_marker(place.local, f"{place.url}", limit_bytes, files)
+    shard_cache.write_marker(place.local, place.url, limit_bytes, files)  # the URL redacted there, kept here
     write_json(place.local / store.INDEX, index)
 
 

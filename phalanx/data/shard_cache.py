@@ -21,44 +21,86 @@ from pathlib import Path
 
 import fsspec
 
+from phalanx.core.errors import HIDDEN, redact
+
 MARKER = "remote.json"  # in a cache folder: the store's URL, the limit, and its shard files' sizes and hashes
 LOCK = ".downloader.lock"
-TRIES = 3
+TRIES = 3          # downloads whose bytes do not match the index, before the file is refused
+NETWORK_TRIES = 5  # downloads the network cut (after the client's own retries), before the run stops
+BACKOFF_S = 1.0    # the first wait after a network error, doubled after each (1 + 2 + 4 + 8 s in all)
 CHUNK = 8 << 20
+PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError)  # no retry makes these right
 
 
 class DownloadError(RuntimeError):
-    """A file whose downloaded bytes never matched the index: it is refused, never trained on."""
+    """A file whose downloaded bytes never matched the index (it is refused, never trained on), or that the
+    network kept failing to bring."""
+
+
+def _download(fs, remote: str, tmp: Path) -> tuple[int, str]:
+    h, n = hashlib.sha256(), 0
+    with fs.open(remote, "rb", block_size=CHUNK) as src, open(tmp, "wb") as dst:
+        while chunk := src.read(CHUNK):
+            h.update(chunk)
+            dst.write(chunk)
+            n += len(chunk)
+    return n, h.hexdigest()
 
 
 def fetch(fs, remote: str, local: Path, size: int, sha256: str | None) -> None:
     """Download `remote` to `local` through a temporary name, checked (size; sha256 when the index records
-    one: stores made before it are checked by size only); a mismatch is fetched again, then refused."""
-    tmp = local.with_name(f".{local.name}.{os.getpid()}.tmp")
-    for attempt in range(TRIES):
-        h, n = hashlib.sha256(), 0
-        with fs.open(remote, "rb", block_size=CHUNK) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(CHUNK):
-                h.update(chunk)
-                dst.write(chunk)
-                n += len(chunk)
-        if n == size and (sha256 is None or h.hexdigest() == sha256):
+    one: stores made before it are checked by size only); a mismatch is fetched again, then refused. A network
+    error (a connection refused or reset, a timeout: any error but a missing or forbidden object) is retried
+    after BACKOFF_S, 2 x BACKOFF_S, ... then the download fails naming the object."""
+    tmp, mismatches, errors, started = local.with_name(f".{local.name}.{os.getpid()}.tmp"), 0, 0, time.monotonic()
+    while True:
+        try:
+            n, digest = _download(fs, remote, tmp)
+        except PERMANENT:
+            tmp.unlink(missing_ok=True)
+            raise
+        except Exception as e:  # the network's: retried
+            errors += 1
+            if errors >= NETWORK_TRIES:
+                tmp.unlink(missing_ok=True)
+                raise DownloadError(f"'{_shown(fs, remote)}': the download failed {errors} times in "
+                                    f"{time.monotonic() - started:.0f} s, the last with {type(e).__name__}: "
+                                    f"{redact(str(e))}; check the network and that the store is reachable, then "
+                                    f"run the same command again") from None
+            time.sleep(BACKOFF_S * 2 ** (errors - 1))
+            continue
+        if n == size and (sha256 is None or digest == sha256):
             os.replace(tmp, local)
             return
-        time.sleep(0.2 * (attempt + 1))
-    tmp.unlink(missing_ok=True)
-    raise DownloadError(f"'{remote}': the downloaded bytes ({n} B, sha256 {h.hexdigest()[:12]}...) do not match "
-                        f"the store's index ({size} B, sha256 {(sha256 or 'not recorded')[:12]}...) after {TRIES} "
-                        f"tries; the remote copy is damaged: prepare the store again (phalanx prepare)")
+        mismatches += 1
+        if mismatches >= TRIES:
+            tmp.unlink(missing_ok=True)
+            raise DownloadError(f"'{_shown(fs, remote)}': the downloaded bytes ({n} B, sha256 {digest[:12]}...) do not "
+                                f"match the store's index ({size} B, sha256 {(sha256 or 'not recorded')[:12]}...) "
+                                f"after {TRIES} tries; the remote copy is damaged: prepare the store again (phalanx "
+                                f"prepare)")
+        time.sleep(0.2 * mismatches)
+
+
+def _shown(fs, path: str) -> str:
+    """An object as a message names it: its URL, any secret in it redacted."""
+    try:
+        path = fs.unstrip_protocol(path)
+    except Exception:  # noqa: BLE001 - a name is all a message needs
+        pass
+    return redact(path)
 
 
 def write_marker(folder: Path, url: str, limit_bytes: int, files: dict[str, tuple[int, str | None]]) -> None:
+    """remote.json, with the store's URL redacted (errors.redact); this process keeps the real one."""
     tmp = folder / f".{MARKER}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"url": url, "limit_bytes": limit_bytes, "files": files}))
+    tmp.write_text(json.dumps({"url": redact(url), "limit_bytes": limit_bytes, "files": files}))
     os.replace(tmp, folder / MARKER)
+    _urls[str(folder)] = url
 
 
 _opened: dict[str, ShardCache] = {}
+_urls: dict[str, str] = {}  # folder -> the store's real URL, as this process was given it (remote.open_cached)
 
 
 def attached(folder: Path) -> ShardCache | None:
@@ -69,7 +111,11 @@ def attached(folder: Path) -> ShardCache | None:
             spec = json.loads((Path(folder) / MARKER).read_text())
         except FileNotFoundError:
             return None
-        _opened[key] = ShardCache(Path(folder), spec["url"], spec["limit_bytes"],
+        url = _urls.get(key, spec["url"])
+        if key not in _urls and HIDDEN in url:
+            raise DownloadError(f"'{folder}': its store's URL carries a secret, which {MARKER} does not keep; open "
+                                f"the store through its config (the same data.store_url)")
+        _opened[key] = ShardCache(Path(folder), url, spec["limit_bytes"],
                                   {k: tuple(v) for k, v in spec["files"].items()})
     return _opened[key]
 
@@ -185,8 +231,8 @@ class ShardCache:
                 self.fetched += size
                 self._save_stats()
             except Exception as e:  # said by every process that waits for this file
-                self.failed[name] = str(e)
-                (self.folder / f".failed.{name}").write_text(str(e))
+                self.failed[name] = redact(str(e))
+                (self.folder / f".failed.{name}").write_text(self.failed[name])
                 os.close(self._lock_fd)  # another opening may try again (a new run, once the store is fixed)
                 self._lock_fd = None
                 return

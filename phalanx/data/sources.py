@@ -15,6 +15,7 @@ from pathlib import Path, PurePosixPath
 import fsspec
 
 from phalanx.core.config import Config, ConfigError
+from phalanx.core.errors import redact
 from phalanx.data import builtin, readers
 from phalanx.data.readers import Blob
 
@@ -122,7 +123,7 @@ def _remote_files(split: Split) -> list[tuple[Blob, int, tuple]]:
                           (f" ({', '.join(sorted(EXTENSIONS))})" if infos else ""))
     out = []
     for name in sorted(picked):
-        info, url = picked[name], f"{protocol}://{name}"
+        info, url = picked[name], redact(f"{protocol}://{name}")  # what messages, records and the index show
         version = info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("mtime") or ""
         out.append((Blob(fs, name, url), int(info["size"]), (url, int(info["size"]), str(version).strip('"'))))
     return out

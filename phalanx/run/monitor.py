@@ -68,11 +68,11 @@ class Monitor:
         self.progress = None
         self.t_start, self.start_step = time.time(), start_step
         if enabled:
-            from phalanx.core.config import to_dict
+            from phalanx.core.config import shown_dict
 
             self.sinks = open_sinks(cfg.log if cfg else None, Path(run_dir), start_step=start_step,
                                     name=cfg.name if cfg else Path(run_dir).name,
-                                    config=to_dict(cfg) if cfg else {})
+                                    config=shown_dict(cfg) if cfg else {})  # a URL's secret redacted
             self.progress = Progress(progress, max_steps, start_step)
 
     def log(self, record: dict) -> None:

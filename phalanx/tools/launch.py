@@ -32,6 +32,8 @@ from phalanx.core.config import (
     Config,
     ConfigError,
     check_world,
+    config_yaml,
+    has_secret,
     hub_name,
     load_config,
     recorded_settings,
@@ -316,13 +318,16 @@ def _agent_log_to_file(path: Path):
 def worker_config(cfg: Config, run_dir: Path, multinode: bool) -> Path:
     """The config file this launcher's workers read. One node: RUN/config.yaml. Several nodes: a file
     private to this launcher, because launchers sharing the run folder must not overwrite each other's
-    (a node's threads_per_worker follows its own core count); global rank 0 writes RUN/config.yaml."""
+    (a node's threads_per_worker follows its own core count); global rank 0 writes RUN/config.yaml. A URL
+    with a secret (user:password, a presigned query) is redacted in RUN/config.yaml: the workers then read the
+    real one from a file only the user can read (mode 0600), removed when the run ends."""
     if not multinode:
         save_yaml(cfg, RunFolder(run_dir).config)
-        return RunFolder(run_dir).config
-    fd, name = tempfile.mkstemp(prefix="phalanx-config-", suffix=".yaml")
-    os.close(fd)
-    save_yaml(cfg, name)
+        if not has_secret(cfg):
+            return RunFolder(run_dir).config
+    fd, name = tempfile.mkstemp(prefix="phalanx-config-", suffix=".yaml")  # mode 0600
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(config_yaml(cfg, secrets=True))
     return Path(name)
 
 

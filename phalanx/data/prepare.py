@@ -337,6 +337,13 @@ def _current(cfg: Config, fmt: RecordFormat) -> tuple[Path, dict[str, Path]]:
     return tok_dir, folders
 
 
+def train_plan(cfg: Config, fmt: RecordFormat) -> str:
+    """The shard plan (store.plan_digest) of the prepared training store of `cfg`; '' if it is not prepared."""
+    place = store_place(cfg, fmt, splits(cfg)[0], tokenizer_folder(cfg, fmt))
+    index = store.read_index(place.local) or place.read_index()
+    return store.plan_digest(index["shards"]) if index else ""
+
+
 def open_prepared(cfg: Config, fmt: RecordFormat):
     """What `prepare` made for `cfg`, opened by the format (memory-mapped)."""
     return fmt.open(cfg, *_current(cfg, fmt))

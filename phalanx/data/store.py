@@ -134,6 +134,14 @@ class ShardWriter:
             self.tmp[name].unlink(missing_ok=True)
 
 
+def plan_digest(shards: list[dict]) -> str:
+    """A split's shard plan: a digest of where its shards cut the token stream (the token counts of its non-empty
+    shards, in order). The windowed order (samplers.ShardPlan) is a function of it, so a checkpoint records it
+    (meta.json 'shard_plan') and a resume under that order needs the same (tools/launch.check_shard_plan)."""
+    counts = [int(s["tokens"]) for s in shards if s["tokens"]]
+    return hashlib.sha256(json.dumps(counts).encode()).hexdigest()[:16]
+
+
 def write_offsets(folder: Path, records: list[dict]) -> int:
     """`offsets.npy`: where each row of the split starts in its token stream (rows + 1 entries), from the
     shards' row lengths; written piece by piece. Returns the number of rows."""

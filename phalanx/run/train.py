@@ -33,6 +33,7 @@ from phalanx.core.faults import parse_fault
 from phalanx.core.runfolder import RunFolder, write_json
 from phalanx.data.cache import cache_root
 from phalanx.data.samplers import GlobalBatchSampler, order_version
+from phalanx.data.store import plan_digest
 from phalanx.model.build import count_parameters, quiet_transformers
 from phalanx.model.identity import base_identity
 from phalanx.model.lora import trainable_parameters
@@ -105,7 +106,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
         monitor.log(resumed)
     run = Run(cfg, info, folder, probe, monitor,
               checkpointer, saved, start_step=state.step, started_at=started_at,
-              clock=StepClock.for_device(info.device))
+              clock=StepClock.for_device(info.device), shard_plan=shard_plan(cfg, task))
     if info.is_main:  # once per run, by the rank that writes meta.json (the launcher's hashing cached the digests)
         run.base_model = base_identity(cfg.model.pretrained, cache_root(cfg.data.cache_dir))
     run.telemetry = Telemetry(info, cfg, n_params=count_parameters(tr.model), model=tr.model, wrapped=tr.wrapped,
@@ -133,6 +134,13 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
               "trainable_parameters": trainable_parameters(tr.model)}
     export_final(tr.model, task, folder, info, t.export_shard_mb, export_dtype(t.export_dtype, cfg.model.pretrained))
     return _finish(run, tr, task, state, eval_metrics, accum, counts)
+
+
+def shard_plan(cfg: Config, task) -> dict:
+    """The training store's shard plan, for meta.json: the windowed order follows it, so a resume under that order
+    is refused when the store is cut otherwise (tools/launch.check_shard_plan). Empty for a task without stores."""
+    stores = task.train_set.stores() if hasattr(task.train_set, "stores") else []
+    return {"digest": plan_digest(stores[0].shards), "shard_mb": cfg.data.shard_mb} if stores else {}
 
 
 def _resume(cfg: Config, checkpointer: Checkpointer, saved: CheckpointDict, state: TrainState, info) -> dict | None:
@@ -169,6 +177,7 @@ class Run:
     batches: BatchSource | None = None  # this rank's micro-batches of each step, on the host
     first_step_at: float | None = None
     base_model: str = ""          # the pretrained base's identity (model/identity.py), on the main rank
+    shard_plan: dict = field(default_factory=dict)  # the training store's shard plan (shard_plan), for meta.json
     task_sums: torch.Tensor | None = None  # the task's training-metric sums since the last log line
 
 
@@ -227,7 +236,7 @@ def _save(run: Run, state: TrainState) -> None:
     run.probe(step, Phase.CHECKPOINT)
     path, seconds = run.checkpointer.save(step, run.saved,
                                           {"config_hash": config_hash(run.cfg), "config": relevant_subset(run.cfg),
-                                           "base_model": run.base_model},
+                                           "base_model": run.base_model, "shard_plan": run.shard_plan},
                                           after_write=lambda: run.probe(step, Phase.CHECKPOINT_WRITTEN))
     run.monitor.log({"step": step, "event": "checkpoint", "checkpoint_s": round(seconds, 4), "path": str(path)})
 

@@ -48,11 +48,13 @@ from phalanx.core.runfolder import (
     RunFolder,
     read_json,
 )
+from phalanx.data import prepare
 from phalanx.data.cache import build_once, cache_root
 from phalanx.data.hub import check_hub_names, gguf_file, is_gguf_name
 from phalanx.model import gguf, precision
 from phalanx.model.build import check_attention
 from phalanx.model.identity import base_identity, file_digest
+from phalanx.data.samplers import WINDOWED
 from phalanx.run.checkpoint import CheckpointError, check_safe, read_meta, resolve_resume
 from phalanx.run.watchdog import summarize
 from phalanx.run.worker import serve
@@ -153,6 +155,30 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
                           f"'{cfg.model.pretrained}' (its config or weights differ); use --fresh to start over")
 
 
+def check_shard_plan(cfg: Config, force_resume: bool = False) -> None:
+    """Once the data step made the training store: a checkpoint whose sample order is the windowed one (data order
+    4) resumes only on a store cut into the same shards (store.plan_digest, in meta.json), since that order is a
+    function of the shard plan; another plan (another data.shard_mb) would repeat or skip samples of the epoch under
+    way. The global order does not depend on the plan; checkpoints made before it was recorded resume as before."""
+    path = resolve_resume(cfg)
+    try:
+        meta = read_meta(path) if path and not force_resume else {}
+    except CheckpointError:
+        return  # said by preflight
+    saved = meta.get("shard_plan") or {}
+    if not saved.get("digest") or (meta.get("train_state") or {}).get("data_order", 0) < WINDOWED:
+        return
+    if prepare.train_plan(cfg, get_task(cfg.task).FORMAT) in ("", saved["digest"]):
+        return
+    was, now = saved.get("shard_mb"), cfg.data.shard_mb
+    how = (f"set data.shard_mb={was:g} as it was" if was is not None and was != now else
+           "prepare the training data as it was (the same files and data.shard_mb)")
+    raise ConfigError(f"checkpoint '{path}' was made with the training store cut into other shards (data.shard_mb="
+                      f"{was if was is None else f'{was:g}'} then, {now:g} now) and its sample order "
+                      f"(data.order=windowed) follows the shards: resuming would repeat or skip samples of the epoch "
+                      f"under way; {how}, or use --fresh to start over (--force-resume to resume anyway)")
+
+
 def check_pretrained(cfg: Config) -> None:
     """model.pretrained before any worker starts: its weights cover the task's model (the checkpoint's
     headers against the model's skeleton on the meta device: a parameter that would stay unloaded is exit
@@ -244,6 +270,8 @@ def launch(cfg: Config | str, nproc_per_node: int = 1, *, nnodes: str = "1", rdz
     plan_memory(cfg, nproc_per_node, nnodes)
     check_pretrained(cfg)
     prepare_data(cfg)
+    if not fresh:
+        check_shard_plan(cfg, force_resume)  # needs the store the data step just made or found
     if fresh:  # only now: a refused command leaves the run folder where it was
         old = move_aside(run_dir)
         if old:

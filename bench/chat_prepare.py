@@ -61,7 +61,7 @@ def make_base(folder: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
     from phalanx.data import tokenizer as toks
-    from phalanx.data.chat_template import ensure_template
+    from phalanx.data.chat.template import ensure_template
 
     tok = PreTrainedTokenizerFast(tokenizer_object=toks.train_bpe([(DATA / "tinyshakespeare" / "input.txt")
                                                                    .read_text()], 4096), **toks.SPECIALS["bpe"])

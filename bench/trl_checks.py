@@ -6,7 +6,7 @@ packing   TRL's packing (best-fit decreasing, padding-free: one flat row per mic
           warns of cross-contamination otherwise; here the model uses SDPA. Negative control: the same
           packed row with position ids 0..n-1 (no restart), which must differ.
 mask      TRL's assistant_only_loss labels (from the template's {% generation %} markers) vs phalanx's
-          character-offset mask (phalanx.data.conversations.encode), conversation by conversation, and the
+          character-offset mask (phalanx.data.chat.encode.ChatEncoder), conversation by conversation, and the
           token ids of both renderings.
 reference the first-step batch's losses computed directly (each conversation alone, fp32 forward, sums
           in float64): mean over phalanx's supervised tokens, and over all predicted tokens.
@@ -23,7 +23,14 @@ from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
-from phalanx.data import conversations
+from phalanx.data.chat.encode import ChatEncoder, ChatSettings, Encoded
+from phalanx.data.chat.template import system_policy
+
+
+def encode_one(tok, messages: list[dict], max_length: int) -> Encoded | None:
+    """phalanx's ids and mask of one conversation (None: dropped), through the encoder preparation uses."""
+    got = ChatEncoder(tok, ChatSettings("assistant", "turns", max_length, system_policy(tok))).encode(messages)
+    return got if isinstance(got, Encoded) else None
 
 
 def trainer(base: str, data, max_length: int, packing: bool, work: str) -> SFTTrainer:
@@ -81,7 +88,7 @@ def mask_check(base: str, data, max_length: int, work: str) -> dict:
     ids_differ = mask_differ = tokens_differ = supervised = total = 0
     lengths = []
     for record, row in zip(data, tr.train_dataset):
-        enc = conversations.encode(tok, record["messages"], "assistant", max_length, "turns", "bench")
+        enc = encode_one(tok, record["messages"], max_length)
         trl_mask = np.asarray(row["labels"]) != -100
         lengths.append(len(enc.ids))
         if len(enc.ids) != len(row["input_ids"]) or (enc.ids != np.asarray(row["input_ids"])).any():
@@ -101,7 +108,7 @@ def reference(base: str, data, max_length: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     sums = {"assistant": [0.0, 0], "all": [0.0, 0]}
     for record in data:
-        enc = conversations.encode(tok, record["messages"], "assistant", max_length, "turns", "bench")
+        enc = encode_one(tok, record["messages"], max_length)
         ids = torch.from_numpy(enc.ids)[None]
         with torch.no_grad():
             logits = model(input_ids=ids, use_cache=False).logits[0, :-1].double()

@@ -227,7 +227,7 @@ def make_base(pretrained: Path, work: Path) -> list[int]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from phalanx.data.builtin import stdlib_conversations
-    from phalanx.data.conversations import ensure_template
+    from phalanx.data.chat.template import ensure_template
 
     tok = AutoTokenizer.from_pretrained(pretrained)
     ensure_template(tok)
@@ -250,7 +250,7 @@ def setup(work: Path, per_step: int, divisor: int) -> dict:
     """Untimed: the base model, the data, the one-process checks and the batch plan. Packed rows per
     micro-batch: about as many real tokens per step as `per_step` padded conversations, in rows/divisor."""
     from phalanx.core.config import ModelConfig
-    from phalanx.data.chat_store import pack
+    from phalanx.data.units import pack
     from phalanx.model.build import build_causal_lm
 
     pre = work / "pretrain"

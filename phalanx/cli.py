@@ -91,25 +91,25 @@ def cmd_prepare(args) -> int:
     from phalanx.core.config import (
         load_config,  # lazy, like every command's modules: only the chosen one loads
     )
+    from phalanx.core.registry import TASKS
+    from phalanx.data import units
     from phalanx.data.prepare import describe
-    from phalanx.tasks import prepare_data
+    from phalanx.tasks import get_task, prepare_data
     from phalanx.tools.launch import resolve_pretrained
 
     if args.workers < 0 or args.show < 0:
         raise ConfigError(f"--workers and --show: expected >= 0, got {args.workers} and {args.show}")
     config, overrides = _split_config_and_overrides(args.items)
     cfg = resolve_pretrained(load_config(config, overrides))  # a GGUF base: its tokenizer is in its folder
-    shows = {"chat": "phalanx.tasks.chat", "preference": "phalanx.tasks.preference"}  # tasks with show_examples
+    shows = {t.name: t.shows for t in TASKS.values() if t.shows}
     if args.show and cfg.task not in shows:
-        raise ConfigError(f"--show: shows rendered conversations (task chat) or pairs (task preference); this "
+        raise ConfigError(f"--show: prints {' or '.join(f'{v} (task {k})' for k, v in shows.items())}; this "
                           f"config's task is '{cfg.task}'")
     for summary in prepare_data(cfg, args.workers, progress=not args.quiet).values():
         if summary.get("reused"):  # a split prepared now was said by the pipeline as it finished (the launcher's
             print(f"phalanx: {describe(summary)}")  # log line): once each, in one summary shape for every task
     if args.show:
-        import importlib
-
-        print(importlib.import_module(shows[cfg.task]).show_examples(cfg, args.show))
+        print(units.show(cfg, get_task(cfg.task).FORMAT, args.show))
     return 0
 
 

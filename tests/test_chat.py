@@ -11,7 +11,8 @@ from conftest import SHAKESPEARE, final_params, phalanx, small_gpt2_base, train_
 
 from phalanx.core.config import load_config
 from phalanx.core.errors import ConfigError
-from phalanx.data import chat_store, prepare
+from phalanx.data import prepare
+from phalanx.data.chat import store as chat_store
 
 TINY = ["task=chat", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=96",
         "data.vocab_size=512", "train.log_every=1", "train.eval_every=0", "train.warmup_steps=2", "train.lr=3e-3",
@@ -84,7 +85,7 @@ def test_supervised_counts_differ_across_rows(one_process, talk, cache_dir):
     """What makes the equivalence below meaningful: rows hold different numbers of supervised tokens."""
     cfg = load_config(None, ["task=chat", f"data.train={talk}", f"data.cache_dir={cache_dir}", *TINY[1:]])
     data = prepare.open_prepared(cfg, chat_store.CHAT)
-    counts = {sum(int(m[1:].sum()) for _, m in data.train.segments(i)) for i in range(24)}
+    counts = {sum(int(m[1:].sum()) for _, m in data.train.sequences(i)) for i in range(24)}
     assert len(counts) > 5
     summary = json.loads((one_process / "summary.json").read_text())
     assert 0.5 < summary["data_packing_efficiency"] <= 1.0 and summary["trainable_parameters"] == summary["parameters"]

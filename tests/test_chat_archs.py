@@ -94,13 +94,14 @@ def conversations():
 
 
 class Rows:
-    """What ChatTask.collate reads of a ChatSet: segments(i), and lengths (None: packed rows)."""
+    """What ChatTask.collate reads of a store's samples (data/units.py UnitSet): sequences(i), and lengths (None:
+    packed rows)."""
 
     def __init__(self, rows, packed: bool):
         self.rows = rows
         self.lengths = None if packed else np.array([sum(len(x) for x, _ in r) for r in rows])
 
-    def segments(self, i):
+    def sequences(self, i):
         return self.rows[i]
 
 
@@ -331,19 +332,19 @@ def test_lora_trains_the_rows_of_template_tokens_the_base_already_has(tmp_path):
     store's template_tokens no row moves."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from phalanx.data import conversations as cv
+    from phalanx.data.chat import template
     from phalanx.data import tokenizer as toks
     from phalanx.model.optim import build_optimizer
 
     tok = PreTrainedTokenizerFast(tokenizer_object=toks.train_bpe([SHAKESPEARE.read_text()[:50_000]], 300),
                                   **toks.SPECIALS["bpe"])
-    tok.add_special_tokens({"additional_special_tokens": [cv.START, cv.END]})
+    tok.add_special_tokens({"additional_special_tokens": [template.START, template.END]})
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**{**SMALL, "vocab_size": len(tok)}, tie_word_embeddings=False,
                                  eos_token_id=tok.eos_token_id)).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     base = AutoModelForCausalLM.from_pretrained(tmp_path)
-    template = sorted(tok.convert_tokens_to_ids([cv.START, cv.END]))
+    template = sorted(tok.convert_tokens_to_ids([template.START, template.END]))
     cfg = load_config(None, ["task=chat", f"model.pretrained={tmp_path}", "model.lora.r=4", "model.block_size=32",
                              "train.lr=1e-2"], check_paths=False)
     rng = np.random.default_rng(0)

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from conftest import SHAKESPEARE
 
 from phalanx.core.errors import ConfigError
-from phalanx.data import conversations as cv
+from phalanx.data.chat import formats, template
+from phalanx.data.chat.encode import ChatEncoder, ChatSettings, Encoded
 from phalanx.data import tokenizer as toks
-from phalanx.data.chat_encode import Dropped
-from phalanx.data.chat_store import pack
+from phalanx.data.counts import Dropped
+from phalanx.data.units import pack
 from phalanx.tasks.chat import IGNORE, collate_rows
 
 GOLDEN = [{"role": "system", "content": "Be brief."},
@@ -29,12 +30,22 @@ def tok():
 
     t = PreTrainedTokenizerFast(tokenizer_object=toks.train_bpe([SHAKESPEARE.read_text()[:200_000]], 512),
                                 **toks.SPECIALS["bpe"])
-    assert cv.ensure_template(t)
+    assert template.ensure_template(t)
     return t
 
 
-def fields(fmt: str, **over) -> cv.ChatFields:
-    return cv.chat_fields(fmt, over)
+def encode_one(tok, messages, train_on: str, block: int, truncation: str, where: str = "") -> Encoded | None:
+    """One conversation's ids and mask (None: dropped), through the encoder preparation uses; an error names
+    `where` as preparation names the record."""
+    try:
+        got = ChatEncoder(tok, ChatSettings(train_on, truncation, block, template.system_policy(tok))).encode(messages)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return got if isinstance(got, Encoded) else None
+
+
+def fields(fmt: str, **over) -> formats.ChatFields:
+    return formats.chat_fields(fmt, over)
 
 
 # ---- formats ------------------------------------------------------------------------------------
@@ -46,15 +57,15 @@ def test_every_format_gives_the_same_messages():
                "alpaca": {"instruction": "Q", "input": "", "output": "A", "system": "S"},
                "prompt_completion": {"prompt": "Q", "completion": "A", "system": "S"}}
     for fmt, record in records.items():
-        assert cv.detect(record, "x") == fmt
-        assert cv.to_messages(record, fields(fmt), "x") == want, fmt
-    alpaca = cv.to_messages({"instruction": "Q", "input": "ctx", "output": "A"}, fields("alpaca"), "x")
+        assert formats.detect(record, "x") == fmt
+        assert formats.to_messages(record, fields(fmt), "x") == want, fmt
+    alpaca = formats.to_messages({"instruction": "Q", "input": "ctx", "output": "A"}, fields("alpaca"), "x")
     assert alpaca[0] == {"role": "user", "content": "Q\n\nctx"}
-    renamed = cv.to_messages({"q": "Q", "a": "A"}, fields("prompt_completion", prompt="q", completion="a"), "x")
+    renamed = formats.to_messages({"q": "Q", "a": "A"}, fields("prompt_completion", prompt="q", completion="a"), "x")
     assert renamed[-1] == {"role": "assistant", "content": "A"}
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Q"}]},
                           {"role": "assistant", "content": "A"}]}
-    assert cv.to_messages(parts, fields("messages"), "x")[0]["content"] == "Q"
+    assert formats.to_messages(parts, fields("messages"), "x")[0]["content"] == "Q"
 
 
 @pytest.mark.parametrize("record, fmt, message", [
@@ -70,21 +81,21 @@ def test_every_format_gives_the_same_messages():
 ])
 def test_records_that_do_not_fit_name_the_field(record, fmt, message):
     with pytest.raises(ConfigError, match="^line 7: .*" + message.replace("[", r"\[").replace("]", r"\]")):
-        cv.to_messages(record, fields(fmt), "line 7")
+        formats.to_messages(record, fields(fmt), "line 7")
     with pytest.raises(ConfigError, match="not a conversation in a known format"):
-        cv.detect({"text": "x"}, "line 7")
+        formats.detect({"text": "x"}, "line 7")
 
 
 # ---- rendering and the mask ---------------------------------------------------------------------
 def test_golden_rendering_ids_and_mask(tok):
-    enc = cv.encode(tok, GOLDEN, "assistant", 1000, "turns", "x")
+    enc = encode_one(tok, GOLDEN, "assistant", 1000, "turns", "x")
     # the ids are exactly what transformers' own tokenization of the template gives (no doubled BOS)
     assert enc.ids.tolist() == tok.apply_chat_template(GOLDEN, tokenize=True)["input_ids"]
     text = tok.apply_chat_template(GOLDEN, tokenize=False)
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHéllo wörld — ça va?<|im_end|>\n"
                     "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\nTrès bien!<|im_end|>\n"
                     "<|im_start|>user\nMore?<|im_end|>\n<|im_start|>assistant\nNo.<|im_end|>\n")
-    eot = tok.convert_tokens_to_ids(cv.END)
+    eot = tok.convert_tokens_to_ids(template.END)
     assert enc.end_of_turn == eot
     # supervised: exactly each assistant reply and its end-of-turn token
     runs, cur = [], []
@@ -98,9 +109,9 @@ def test_golden_rendering_ids_and_mask(tok):
     # the transformers generation markers agree with the offsets-based mask
     marked = tok.apply_chat_template(GOLDEN, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert np.array_equal(np.asarray(marked["assistant_masks"], dtype=bool), enc.mask)
-    last = cv.encode(tok, GOLDEN, "last", 1000, "turns", "x")
+    last = encode_one(tok, GOLDEN, "last", 1000, "turns", "x")
     assert tok.decode(last.ids[last.mask]) == "No.<|im_end|>"
-    everything = cv.encode(tok, GOLDEN, "all", 1000, "turns", "x")
+    everything = encode_one(tok, GOLDEN, "all", 1000, "turns", "x")
     assert everything.mask[1:].all() and not everything.mask[0]
 
 
@@ -112,7 +123,7 @@ def test_the_mask_follows_any_template(tok):
     other.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
     other.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                            "{{ m['content'] | trim }}<|eot_id|>{% endfor %}")
-    enc = cv.encode(other, GOLDEN, "assistant", 1000, "turns", "x")
+    enc = encode_one(other, GOLDEN, "assistant", 1000, "turns", "x")
     assert enc.ids.tolist() == other.apply_chat_template(GOLDEN, tokenize=True)["input_ids"]
     assert other.decode(enc.ids[enc.mask]) == "Très bien!<|eot_id|>No.<|eot_id|>"
 
@@ -124,20 +135,20 @@ def test_templates_that_cannot_be_masked_drop_the_record_or_are_errors(tok):
 
     upper = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, **toks.SPECIALS["bpe"])
     upper.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}<|endoftext|>{% endfor %}"
-    assert cv.encode(upper, GOLDEN, "assistant", 1000, "turns", "x") is None
+    assert encode_one(upper, GOLDEN, "assistant", 1000, "turns", "x") is None
     no_end = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, **toks.SPECIALS["bpe"])
     no_end.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     with pytest.raises(ConfigError, match="^x: the chat template writes no special end-of-turn token"):
-        cv.encode(no_end, GOLDEN, "assistant", 1000, "turns", "x")
+        encode_one(no_end, GOLDEN, "assistant", 1000, "turns", "x")
     strict = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, **toks.SPECIALS["bpe"])
     strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' and loop.previtem is defined and "
                             "loop.previtem['role'] == 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}"
                             "{{ m['content'] }}{% endfor %}")
-    assert cv.encode(strict, GOLDEN, "assistant", 1000, "turns", "x") is None
+    assert encode_one(strict, GOLDEN, "assistant", 1000, "turns", "x") is None
 
 
 def _encoder(tok, block: int, truncation: str):
-    return cv.ChatEncoder(tok, cv.ChatSettings("assistant", truncation, block, "keep"))
+    return ChatEncoder(tok, ChatSettings("assistant", truncation, block, "keep"))
 
 
 LONG = [{"role": "system", "content": "Speak as in a play."},
@@ -158,7 +169,7 @@ def test_keep_end_drops_the_oldest_exchanges_then_cuts_the_prompt_from_its_start
     kept = _encoder(tok, last_two, "keep_end").encode(LONG)  # the oldest exchange and the trailing turn go
     assert kept.truncated and kept.ids.tolist() == tok.apply_chat_template(LONG[:1] + LONG[3:7], tokenize=True)[
         "input_ids"]
-    assert cv.encode(tok, LONG, "assistant", full, "keep_end", "x").ids.tolist() == \
+    assert encode_one(tok, LONG, "assistant", full, "keep_end", "x").ids.tolist() == \
         tok.apply_chat_template(LONG[:7], tokenize=True)["input_ids"]  # what follows the last reply: dropped
     block = last - 6
     cut = _encoder(tok, block, "keep_end").encode(LONG)  # the last exchange alone is too long: its prompt is cut
@@ -179,15 +190,15 @@ def test_keep_end_drops_the_oldest_exchanges_then_cuts_the_prompt_from_its_start
 
 
 def test_turns_and_right_truncation(tok):
-    full = len(cv.encode(tok, GOLDEN, "assistant", 1000, "turns", "x").ids)
+    full = len(encode_one(tok, GOLDEN, "assistant", 1000, "turns", "x").ids)
     first = len(tok.apply_chat_template(GOLDEN[:4], tokenize=True)["input_ids"])
-    turns = cv.encode(tok, GOLDEN, "assistant", full - 1, "turns", "x")
+    turns = encode_one(tok, GOLDEN, "assistant", full - 1, "turns", "x")
     assert len(turns.ids) == first and tok.decode(turns.ids[turns.mask]) == "Très bien!<|im_end|>"  # last turn dropped
-    right = cv.encode(tok, GOLDEN, "assistant", full - 3, "right", "x")
+    right = encode_one(tok, GOLDEN, "assistant", full - 3, "right", "x")
     assert len(right.ids) == full - 3 and tok.decode(right.ids[right.mask]).startswith("Très bien!<|im_end|>")
-    cut = cv.encode(tok, GOLDEN, "assistant", first - 2, "turns", "x")  # first exchange too long: cut on the right
+    cut = encode_one(tok, GOLDEN, "assistant", first - 2, "turns", "x")  # first exchange too long: cut on the right
     assert len(cut.ids) == first - 2 and tok.decode(cut.ids[cut.mask]) in "Très bien!"
-    assert cv.encode(tok, GOLDEN, "assistant", 20, "turns", "x") is None  # nothing left to learn: dropped
+    assert encode_one(tok, GOLDEN, "assistant", 20, "turns", "x") is None  # nothing left to learn: dropped
 
 
 # ---- packing -------------------------------------------------------------------------------------
@@ -224,7 +235,7 @@ def _model(arch: str):
 def _conversations(tok):
     convs = [GOLDEN[:4], [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}],
              [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "One two three"}]]
-    return [(e.ids, e.mask) for e in (cv.encode(tok, c, "assistant", 64, "turns", "x") for c in convs)]
+    return [(e.ids, e.mask) for e in (encode_one(tok, c, "assistant", 64, "turns", "x") for c in convs)]
 
 
 def _forward(model, batch) -> torch.Tensor:

@@ -11,9 +11,9 @@ import pytest
 from chat_families import FAMILIES, family_tokenizer, marker_text
 
 from phalanx.core.errors import ConfigError
-from phalanx.data import chat_template
-from phalanx.data import conversations as cv
-from phalanx.data.chat_encode import ChatEncoder, ChatSettings, Dropped, Encoded, TiktokenTokens
+from phalanx.data.chat import template
+from phalanx.data.chat.encode import ChatEncoder, ChatSettings, Encoded, TiktokenTokens
+from phalanx.data.counts import Dropped
 
 EOT = {"llama3": "<|eot_id|>", "chatml": "<|im_end|>", "mistral": "</s>", "gemma": "<end_of_turn>",
        "gemma3": "<end_of_turn>", "qwen3": "<|im_end|>", "phi3": "<|end|>"}
@@ -21,7 +21,7 @@ CASES = 150
 
 
 def encoder(tok, train_on="assistant", block=100_000, truncation="keep_end", system="auto", tokens=None, **kwargs):
-    policy = cv.system_policy(tok, system, kwargs)
+    policy = template.system_policy(tok, system, kwargs)
     return ChatEncoder(tok, ChatSettings(train_on, truncation, block, policy, json.dumps(kwargs, sort_keys=True)),
                        tokens)
 
@@ -96,7 +96,7 @@ def test_targets_are_exactly_each_reply_and_its_end_of_turn(name):
     for _ in range(CASES):
         record = random_conversation(rng, marks, rng.random() < 0.3)
         got = enc.encode(record)
-        shown = cv.fold_system(record) if enc.settings.system == "fold" else record
+        shown = template.fold_system(record) if enc.settings.system == "fold" else record
         assert isinstance(got, Encoded), (name, record, got)
         assert got.ids.tolist() == tok.apply_chat_template(shown, tokenize=True, **kwargs)["input_ids"]
         want = expected_mask(tok, name, shown, kwargs)
@@ -172,41 +172,41 @@ def test_enable_thinking_is_passed_to_the_template_and_baked_into_the_saved_one(
     assert off.renderer.many([chat])[0] == encoder(tok).renderer.many([chat])[0]  # the last turn always opens one
     assert off.renderer.one(chat[:1], True).endswith("<think>\n\n</think>\n\n")
     assert not encoder(tok).renderer.one(chat[:1], True).endswith("</think>\n\n")
-    chat_template.bake_defaults(tok, {"enable_thinking": False})
+    template.bake_defaults(tok, {"enable_thinking": False})
     tok.save_pretrained(tmp_path)
     saved = AutoTokenizer.from_pretrained(tmp_path)
     prompt = saved.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # rendered as training did
     explicit = saved.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True, enable_thinking=True)
     assert explicit.endswith("<|im_start|>assistant\n")  # a caller's keyword still wins
-    assert chat_template.jinja_literal({"a": [1, None, "x\"y"], "b": True}) == '{"a": [1, none, "x\\"y"], "b": true}'
+    assert template.jinja_literal({"a": [1, None, "x\"y"], "b": True}) == '{"a": [1, none, "x\\"y"], "b": true}'
     with pytest.raises(ConfigError, match="template.kwargs"):
-        chat_template.check_kwargs({"add_generation_prompt": True})
+        template.check_kwargs({"add_generation_prompt": True})
 
 
 def test_a_system_message_the_template_refuses_is_folded_or_exit_2():
     tok = family_tokenizer("gemma")
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello."}]
-    assert cv.system_policy(tok, "auto") == "fold"
+    assert template.system_policy(tok, "auto") == "fold"
     got = encoder(tok).encode(chat)
     assert "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>" in tok.decode(got.ids)
     assert runs(tok, got) == ["Hello.<end_of_turn>"]
     # keep_end cuts the user's own text from its start, never the folded system text
     question = " ".join(f"word{i}" for i in range(40)) + " end?"
     long = [chat[0], {"role": "user", "content": question}, chat[2]]
-    n = len(tok.apply_chat_template(cv.fold_system(long), tokenize=True)["input_ids"])
+    n = len(tok.apply_chat_template(template.fold_system(long), tokenize=True)["input_ids"])
     cut = encoder(tok, block=n - 10).encode(long)
     text = tok.decode(cut.ids)
     kept = text.split("<start_of_turn>user\nBe brief.\n\n")[1].split("<end_of_turn>")[0]
     assert cut.truncated and len(cut.ids) <= n - 10 and question.endswith(kept) and len(kept) < len(question) - 10
     assert runs(tok, cut) == ["Hello.<end_of_turn>"]
     with pytest.raises(ConfigError, match="config key 'template.system_message': keep, but this chat template refuses"):
-        cv.system_policy(tok, "keep")
+        template.system_policy(tok, "keep")
     assert isinstance(encoder(tok, system="fold").encode(chat), Encoded)
     # Gemma-3's template folds the system message itself: accepted, kept as it is
-    assert cv.system_policy(family_tokenizer("gemma3"), "auto") == "keep"
-    assert cv.fold_system([{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}]) == [
+    assert template.system_policy(family_tokenizer("gemma3"), "auto") == "keep"
+    assert template.fold_system([{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}]) == [
         {"role": "user", "content": "S"}, {"role": "assistant", "content": "A"}]
 
 

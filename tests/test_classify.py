@@ -13,7 +13,7 @@ import torch
 from conftest import REPO, SST2, metrics, phalanx, train_losses
 
 from phalanx.core.config import ConfigError, load_config
-from phalanx.data import classify_store
+from phalanx.data.classify import store as classify_store
 from phalanx.tasks.classify import ClassifyTask, classification_metrics
 
 SMALL = ["task=classify", "model.arch=bert", "model.n_layer=2", "model.n_head=2", "model.n_embd=64",

@@ -95,3 +95,32 @@ def test_the_reading_seam_imports_in_one_direction():
     # control: an import back up the seam is found
     assert seam_back_imports({**imports, "readers": imports["readers"] | {"pieces"}}) == \
         ["data/readers.py imports data/pieces.py"]
+
+
+# data/ by concern: the generic pipeline (sources, pieces, readers, the token store, samplers, prepare, the store
+# of units) in data/ itself, each task's record format in a sub-package. A sub-package may use the generic
+# pipeline and the sub-packages its row names; the generic pipeline none of them (a task's format plugs in
+# through the task, tasks/).
+DATA_PACKAGES = {"data": {"data"}, "data.chat": {"data", "data.chat"},
+                 "data.pref": {"data", "data.chat", "data.pref"}, "data.classify": {"data", "data.classify"}}
+
+
+def data_package(module: str) -> str:
+    """phalanx.data.chat.store -> data.chat; phalanx.data.store -> data."""
+    parts = module.split(".")
+    return f"data.{parts[2]}" if len(parts) > 3 or (PACKAGE / "data" / parts[2]).is_dir() else "data"
+
+
+def data_back_imports(imports: list[tuple[str, str]]) -> list[str]:
+    return [f"{a} ({data_package(a)}) imports {b} ({data_package(b)})" for a, b in imports
+            if data_package(b) not in DATA_PACKAGES[data_package(a)]]
+
+
+def test_data_sub_packages_import_one_way():
+    imports = [(module_of(path), name) for path in sorted((PACKAGE / "data").rglob("*.py"))
+               for _, name in phalanx_imports(path) if name.startswith("phalanx.data.")]
+    assert {data_package(m) for m, _ in imports} == set(DATA_PACKAGES)  # every package is seen
+    assert not data_back_imports(imports)
+    # control: the generic pipeline importing a task's format is found
+    assert data_back_imports([("phalanx.data.prepare", "phalanx.data.chat.store")]) == \
+        ["phalanx.data.prepare (data) imports phalanx.data.chat.store (data.chat)"]

@@ -224,3 +224,16 @@ def test_a_real_run_exports_lora_on_the_position_embedding_merged(tmp_path, talk
     assert float((written["transformer.wpe.weight"] - base_wpe).abs().max()) > 1e-4
     for name, tensor in written.items():
         torch.testing.assert_close(tensor, want[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_refused_target_is_exit_2_before_any_worker():
+    """The launcher's task check refuses what the worker would (chat: the input embedding always has template
+    rows; a head tied to it), with one line naming model.lora.target_modules; other targets pass."""
+    from phalanx.core.config import ConfigError, load_config
+    from phalanx.tasks.chat import ChatTask
+
+    for targets in ("wte,c_attn", "lm_head"):
+        with pytest.raises(ConfigError, match=r"^model.lora.target_modules=.*(tied|template)"):
+            ChatTask.check_config(load_config(None, ["task=chat", "model.lora.r=4",
+                                                     f"model.lora.target_modules={targets}"]))
+    ChatTask.check_config(load_config(None, ["task=chat", "model.lora.r=4", "model.lora.target_modules=c_attn,wpe"]))

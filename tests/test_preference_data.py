@@ -11,13 +11,14 @@ from conftest import SHAKESPEARE, phalanx
 
 from phalanx.core.config import load_config
 from phalanx.core.errors import ConfigError
-from phalanx.data import builtin, chat_counts, prepare
-from phalanx.data import conversations as cv
+from phalanx.data import builtin, counts, prepare
+from phalanx.data.chat import template
 from phalanx.data import tokenizer as toks
-from phalanx.data.chat_encode import ChatEncoder, ChatSettings, Dropped
-from phalanx.data.pref_encode import EncodedPair, PairEncoder
-from phalanx.data.pref_records import Pair, PairFields, to_pair
-from phalanx.data.pref_store import PREFERENCE
+from phalanx.data.chat.encode import ChatEncoder, ChatSettings
+from phalanx.data.counts import Dropped
+from phalanx.data.pref.encode import EncodedPair, PairEncoder
+from phalanx.data.pref.records import Pair, PairFields, to_pair
+from phalanx.data.pref.store import PREFERENCE
 
 SYSTEM, Q, A, B = "Be brief.", "What is red?", "A colour.", "A fruit, surely."
 WANT = Pair([{"role": "system", "content": SYSTEM}, {"role": "user", "content": Q}],
@@ -30,12 +31,12 @@ def tok():
 
     t = PreTrainedTokenizerFast(tokenizer_object=toks.train_bpe([SHAKESPEARE.read_text()[:200_000]], 512),
                                 **toks.SPECIALS["bpe"])
-    assert cv.ensure_template(t)
+    assert template.ensure_template(t)
     return t
 
 
 def encoder(tok, block=100_000, **kwargs) -> PairEncoder:
-    policy = cv.system_policy(tok, "auto", kwargs)
+    policy = template.system_policy(tok, "auto", kwargs)
     return PairEncoder(tok, ChatSettings("assistant", "keep_end", block, policy, json.dumps(kwargs, sort_keys=True)))
 
 
@@ -90,7 +91,7 @@ def test_bad_records_are_exit_2_naming_file_line_and_field_before_any_worker(tmp
 # ---- rendering, exactly as chat --------------------------------------------------------------------------
 def _chat_last_reply(tok, messages, **kwargs):
     """What task chat trains on for the conversation's last reply (train_on=last)."""
-    policy = cv.system_policy(tok, "auto", kwargs)
+    policy = template.system_policy(tok, "auto", kwargs)
     enc = ChatEncoder(tok, ChatSettings("last", "keep_end", 100_000, policy, json.dumps(kwargs, sort_keys=True)))
     return enc.encode(messages)
 
@@ -134,7 +135,7 @@ def test_truncation_cuts_the_prompt_from_the_left_the_same_for_both_replies(tok)
     assert text.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>") and "First question" not in text
     assert long_user.split()[-1] in text and long_user.split()[0] not in text.split("user\n")[-1][:20]
     for seq, reply in ((got.chosen, chosen), (got.rejected, rejected)):
-        assert tok.decode(seq.ids[seq.mask].tolist()) == reply[0]["content"] + cv.END
+        assert tok.decode(seq.ids[seq.mask].tolist()) == reply[0]["content"] + template.END
         assert np.array_equal(seq.mask[got.prompt_tokens:], getattr(full, "chosen" if reply is chosen else
                                                                     "rejected").mask[full.prompt_tokens:])
     dropped = encoder(tok, 12).encode(Pair(prompt, chosen, rejected))
@@ -143,7 +144,7 @@ def test_truncation_cuts_the_prompt_from_the_left_the_same_for_both_replies(tok)
 
 # A template whose generation prompt opens the reply with '<think>\n' while a rendered reply has none (as
 # DeepSeek-R1's does): the prompt alone is not what precedes a reply in training.
-THINK_PROMPT = cv.CHATML_TEMPLATE.replace("{{ '<|im_start|>assistant\\n' }}",
+THINK_PROMPT = template.CHATML_TEMPLATE.replace("{{ '<|im_start|>assistant\\n' }}",
                                          "{{ '<|im_start|>assistant\\n<think>\\n' }}")
 
 
@@ -154,18 +155,18 @@ def test_a_prompt_that_does_not_prefix_its_reply_is_refused_and_counted(tok):
     the template whose generation prompt is what precedes a reply is kept."""
     import copy
 
-    assert THINK_PROMPT != cv.CHATML_TEMPLATE
+    assert THINK_PROMPT != template.CHATML_TEMPLATE
     think = copy.deepcopy(tok)
     think.chat_template = THINK_PROMPT
     bad = encoder(think).encode(WANT)
     assert isinstance(bad, Dropped) and bad.reason == "prompt_not_prefix" and "chosen" in bad.detail
     assert isinstance(encoder(tok).encode(WANT), EncodedPair)
-    tally = chat_counts.Tally()
+    tally = counts.Tally()
     tally.add(0, bad)
     record = {**tally.record(), "source": "pairs.jsonl", "kind": "docs", "range": [0, 1]}
-    index = {"summary": chat_counts.summary([record]), "shards": [record]}
+    index = {"summary": counts.summary([record]), "shards": [record]}
     assert index["summary"]["dropped_by"] == {"prompt_not_prefix": 1}
-    message = chat_counts.gate("data.train", "pairs.jsonl", index, 0.05, "keep_end", 128)
+    message = counts.gate("data.train", "pairs.jsonl", index, 0.05, "keep_end", 128)
     assert "prompt tokens not a prefix of prompt + reply 1" in message and "token boundary" in message
 
 
@@ -182,12 +183,12 @@ def test_builtin_pairs_and_the_store_hold_whole_pairs_per_row(tmp_path):
                              "data.vocab_size=400", "model.block_size=96", "data.max_dropped_fraction=0.5"])
     summary = prepare.prepare(cfg, PREFERENCE, workers=1, progress=False, say=lambda s: None)["train"]
     data = prepare.open_prepared(cfg, PREFERENCE)
-    seen = [p for part in (data.train, data.validation) for i in range(len(part)) for p in part.pair_ids(i)]
+    seen = [p for part in (data.train, data.validation) for i in range(len(part)) for p in part.unit_ids(i)]
     assert sorted(seen) == list(range(summary["pairs"])) and summary["pairs"] + summary["dropped"] == 120
     for i in range(len(data.train)):
-        ids = data.train.pair_ids(i)
-        assert sum(len(s[0]) for p in ids for s in data.train.pairs.pair(p)) <= 2 * 96
-    (c, cm), (r, rm) = data.train.pairs.pair(0)
+        ids = data.train.unit_ids(i)
+        assert sum(len(s[0]) for p in ids for s in data.train.units.unit(p)) <= 2 * 96
+    (c, cm), (r, rm) = data.train.units.unit(0)
     first = int(np.argmax(cm))
     assert np.array_equal(c[:first], r[:first]) and cm.sum() and rm.sum()
 

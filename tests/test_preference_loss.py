@@ -13,11 +13,11 @@ import torch
 from conftest import SHAKESPEARE
 
 from phalanx.core.config import load_config
-from phalanx.data import conversations as cv
+from phalanx.data.chat import template
 from phalanx.data import tokenizer as toks
-from phalanx.data.chat_encode import ChatSettings
-from phalanx.data.pref_encode import PairEncoder
-from phalanx.data.pref_records import Pair
+from phalanx.data.chat.encode import ChatSettings
+from phalanx.data.pref.encode import PairEncoder
+from phalanx.data.pref.records import Pair
 from phalanx.tasks import pref_loss
 from phalanx.tasks.preference import PreferenceTask
 
@@ -33,19 +33,20 @@ def tok():
 
     t = PreTrainedTokenizerFast(tokenizer_object=toks.train_bpe([SHAKESPEARE.read_text()[:200_000]], 512),
                                 **toks.SPECIALS["bpe"])
-    assert cv.ensure_template(t)
+    assert template.ensure_template(t)
     return t
 
 
 class ListPairs:
-    """What collate_pairs reads of a store's pairs (data/pref_store.Pairs), from encoded pairs in memory."""
+    """What collate_pairs reads of a store's pairs (data/units.py Units of 2 sequences), from encoded pairs in
+    memory."""
 
     def __init__(self, encoded):
         self.encoded = encoded
         self.truncated = np.zeros(2 * len(encoded), dtype=np.uint8)
         self.n = len(encoded)
 
-    def pair(self, p):
+    def unit(self, p):
         e = self.encoded[p]
         return (e.chosen.ids, e.chosen.mask), (e.rejected.ids, e.rejected.mask)
 
@@ -114,7 +115,7 @@ def test_each_loss_equals_a_float64_reference_from_per_token_logprobs(tok, pairs
         task.reference.name, task.reference.model = "model", reference
     totals = task.step_counts(batch)
     loss, sums = task.step_loss(policy, batch, totals)
-    seqs = [pairs.pair(p) for g in groups for p in g]
+    seqs = [pairs.unit(p) for g in groups for p in g]
     pol = [(alone_logps(policy, *c), alone_logps(policy, *r)) for c, r in seqs]
     ref = [(alone_logps(reference, *c), alone_logps(reference, *r)) for c, r in seqs]
     counts = [(int(c[1][1:].sum()), int(r[1][1:].sum())) for c, r in seqs]

@@ -15,7 +15,7 @@ from conftest import SHAKESPEARE, small_gpt2_base
 
 from phalanx.core.config import load_config
 from phalanx.data import prepare
-from phalanx.data.pref_store import PREFERENCE
+from phalanx.data.pref.store import PREFERENCE
 from phalanx.run.trainee import build_trainee
 from phalanx.tasks import pref_reference
 from phalanx.tasks.preference import PreferenceTask
@@ -144,7 +144,7 @@ def test_a_killed_precompute_pass_resumes_where_it_stopped(pg, base, tmp_path, m
     forwards.clear()
     monkeypatch.setattr(pref_reference, "reference_logps", lambda *a: forwards.append(a[2]["pairs"]) or real(*a))
     resumed = attached(cfg, pg)
-    n = resumed.train_set.pairs.n
+    n = resumed.train_set.units.n
     batches = [-(-(min(n, c + 8) - c) // 4) for c in range(0, n, 8)]  # micro-batches of 4 per chunk of 8
     assert len(forwards) == sum(batches[1:])  # every chunk but the first
     shutil.rmtree(folder)

@@ -25,6 +25,7 @@ class TaskSpec:
     # data.group_by_length=auto for this task, chosen by held-out quality at equal steps as well as speed
     # (bench/order_quality.py); None: its batches are all as long (lm), the key does not apply
     group_by_length: bool | None = None
+    shows: str = ""                 # what `phalanx prepare --show N` prints of its store (data/units.py); "" = none
 
 
 TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
@@ -35,11 +36,12 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
              ("classify",), True),
     TaskSpec("chat", "phalanx.tasks.chat:ChatTask", "supervised fine-tuning of a causal LM on conversations",
              ("eval/loss", "eval/ppl", "eval/token_accuracy"), ("generate", "chat"), True, "examples/chat.yaml",
-             ("chat", "template"), False),
+             ("chat", "template"), False, shows="rendered conversations"),
     TaskSpec("preference", "phalanx.tasks.preference:PreferenceTask",
              "preference tuning (DPO, IPO, hinge, SimPO) of a chat model on pairs of a better and a worse reply",
              ("eval/loss", "eval/rewards/accuracies", "eval/rewards/margins"), ("generate", "chat"), True,
-             "examples/preference.yaml", ("preference", "template"), False),
+             "examples/preference.yaml", ("preference", "template"), False,
+             shows="pairs (the prompt and both replies)"),
 )}
 
 # Every task's own section (a task reads only its own: the others stay out of its resume check and --show)

@@ -20,13 +20,14 @@ import torch
 
 from phalanx.core import dist
 from phalanx.core.config import Config, ConfigError, group_by_length, hub_name
-from phalanx.data import chat_store, prepare
+from phalanx.data import prepare, units
+from phalanx.data.chat import store as chat_store
 from phalanx.data import tokenizer as toks
 from phalanx.data.samplers import length_grouped_order, shuffled_order
 from phalanx.model.build import attention_in_use, causal_lm, export_entries
 from phalanx.model.head import IGNORE, Targets, target_logprobs
 from phalanx.model import precision
-from phalanx.model.lora import LoraAdapters, adapter_state, is_lora, merged_entries
+from phalanx.model.lora import LoraAdapters, adapter_state, check_targets, is_lora, merged_entries
 from phalanx.model.shard import Builder
 from phalanx.tasks.base import TaskBase
 
@@ -88,7 +89,7 @@ class ChatTask(TaskBase):
 
     def __init__(self, cfg: Config, info):
         super().__init__(cfg, info)
-        self.data: chat_store.ChatData | None = None
+        self.data: units.UnitData | None = None
         self.base_vocab = 0
 
     # ---- in the launcher ------------------------------------------------------------------------
@@ -103,6 +104,12 @@ class ChatTask(TaskBase):
         device = "cuda" if dist.pick_backend(cfg.dist.backend) == "nccl" else "cpu"
         amp_dtype, _ = precision.check_precision(cfg.train.precision, device)
         precision.base_dtype(cfg.model, cfg.train.strategy, 2, amp_dtype)
+        if cfg.model.lora.r and cfg.model.lora.target_modules:
+            # the architecture on the meta device (any vocabulary: names are what matter); the input embedding
+            # always has rows that train for the chat template, so no target may be it or a head tied to it
+            with torch.device("meta"):
+                model = causal_lm(cfg.model, 256, 0)
+            check_targets(model, cfg.model.lora, token_ids=[0])
 
     @classmethod
     def check_prepared(cls, cfg: Config) -> None:
@@ -160,8 +167,8 @@ class ChatTask(TaskBase):
         """The template's token ids (grown for it, or its special tokens): known once define_model ran."""
         return sorted(set(range(self.base_vocab, len(self.tokenizer))) | set(self.data.template_tokens))
 
-    def collate(self, dataset: chat_store.ChatSet, indices) -> dict:
-        samples = [dataset.segments(int(i)) for i in indices]
+    def collate(self, dataset: units.UnitSet, indices) -> dict:
+        samples = [dataset.sequences(int(i)) for i in indices]
         width = self.cfg.model.block_size if dataset.lengths is None else \
             max((sum(len(x) for x, _ in s) for s in samples), default=1)
         return collate_rows(samples, width, self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
@@ -227,21 +234,3 @@ class ChatTask(TaskBase):
                 "packing_efficiency", "packed_rows")
         return {"train_samples": len(self.train_set), "val_samples": len(self.val_set),
                 "vocab_size": len(self.tokenizer), **{f"data_{k}": s[k] for k in keys if k in s}}
-
-
-def show_examples(cfg: Config, n: int) -> str:
-    """The first `n` training conversations as the model sees them, the supervised tokens in [[...]]."""
-    data = prepare.open_prepared(cfg, chat_store.CHAT)
-    tok = toks.load_saved(data.tokenizer_dir)
-    conv = data.train.conversations
-    out = []
-    for i in range(min(n, conv.n)):
-        ids, mask = conv.conversation(i)
-        parts, start = [], 0
-        for k in range(1, len(ids) + 1):  # runs of equal mask values
-            if k == len(ids) or mask[k] != mask[start]:
-                text = tok.decode(ids[start:k].tolist())
-                parts.append(f"[[{text}]]" if mask[start] else text)
-                start = k
-        out.append(f"--- conversation {i} ({len(ids)} tokens, {int(mask.sum())} supervised)\n{''.join(parts)}")
-    return "\n".join(out)

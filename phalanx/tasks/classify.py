@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.core.config import Config, ConfigError, group_by_length, hub_name
-from phalanx.data import classify_inputs, prepare
+from phalanx.data import prepare
+from phalanx.data.classify import inputs as classify_inputs
 from phalanx.data import tokenizer as toks
-from phalanx.data.classify_store import CLASSIFY, EncodedSet
+from phalanx.data.classify.store import CLASSIFY, EncodedSet
 from phalanx.data.samplers import length_grouped_order, shuffled_order
 from phalanx.model.build import classifier
 from phalanx.tasks.base import TaskBase

@@ -167,7 +167,7 @@ def precompute(task, trainee, beat=None) -> None:
     micro-batch of the pass."""
     done: dict[Path, np.ndarray] = {}
     for dataset in (task.train_set, task.val_set):
-        pairs = dataset.pairs
+        pairs = dataset.units
         if pairs.folder not in done:
             what, t0 = key(task.cfg, trainee, pairs.folder), time.perf_counter()
             out = folder_of(pairs.folder, what)

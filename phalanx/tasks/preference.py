@@ -1,7 +1,7 @@
 """Preference tuning (`task: preference`): DPO and its common variants on pairs of a better (chosen) and a
 worse (rejected) reply to the same prompt, from a chat model (a chat run's final/) or any causal LM.
 
-The data are chat's, per pair (data/pref_store.py): both replies rendered with the chat template as
+The data are chat's, per pair (data/pref/store.py): both replies rendered with the chat template as
 `task: chat` renders, their targets the reply tokens through the end-of-turn token. The model, LoRA and the
 export are chat's (ChatTask): RUN/final is a chat model for `phalanx chat` and plain transformers.
 
@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import chat_counts, prepare, store
+from phalanx.data import prepare, units
 from phalanx.data import tokenizer as toks
-from phalanx.data.pref_store import PREFERENCE, Pairs, PairSet, row_width
-from phalanx.data.sources import splits
+from phalanx.data.pref import store as pref_store
+from phalanx.data.pref.store import PREFERENCE
 from phalanx.tasks import pref_loss, pref_reference
 from phalanx.tasks.chat import IGNORE, ChatTask, collate_rows
 
@@ -44,20 +44,16 @@ class PreferenceTask(ChatTask):
     @classmethod
     def check_prepared(cls, cfg: Config) -> None:
         """data.max_dropped_fraction over pairs, and a training pair left after the validation hold-out."""
-        tok_dir = prepare.tokenizer_folder(cfg, PREFERENCE)
-        for split in splits(cfg):
-            index = store.read_index(prepare.store_folder(cfg, PREFERENCE, split, tok_dir))
-            too_many = index and chat_counts.gate(split.key, split.spec or "built-in data", index,
-                                                  cfg.data.max_dropped_fraction, "keep_end", cfg.model.block_size)
-            if too_many:
-                raise ConfigError(too_many)
+        too_many = pref_store.dropped_error(cfg)
+        if too_many:
+            raise ConfigError(too_many)
         if len(prepare.open_prepared(cfg, PREFERENCE).train) == 0:
             raise ConfigError(f"config key 'data.train': every pair of '{cfg.data.train or 'built-in data'}' is held "
                               f"out for validation; add pairs or lower data.val_fraction")
 
     @staticmethod
     def sequence_length(cfg: Config) -> int:
-        return row_width(cfg)  # a packed row, or a pair's two rows of up to model.block_size
+        return PREFERENCE.width(cfg)  # a packed row, or a pair's two rows of up to model.block_size
 
     # ---- in every worker ------------------------------------------------------------------------
     def open_data(self) -> None:
@@ -80,21 +76,22 @@ class PreferenceTask(ChatTask):
     def attach(self, trainee, beat=None) -> None:
         self.reference = pref_reference.attach(self, trainee, beat)
 
-    def collate(self, dataset: PairSet, indices) -> dict:
-        groups = [dataset.pair_ids(int(i)) for i in indices]
-        batch = self.collate_pairs(dataset.pairs, groups, row_width(self.cfg) if dataset.order is not None else None)
+    def collate(self, dataset: units.UnitSet, indices) -> dict:
+        groups = [dataset.unit_ids(int(i)) for i in indices]
+        width = PREFERENCE.width(self.cfg) if dataset.order is not None else None
+        batch = self.collate_pairs(dataset.units, groups, width)
         if dataset.reference is not None:
             batch["ref_logps"] = torch.from_numpy(np.asarray(dataset.reference[[p for g in groups for p in g]]))
         return batch
 
-    def collate_pairs(self, pairs: Pairs, groups: list[list[int]], width: int | None) -> dict:
+    def collate_pairs(self, pairs: units.Units, groups: list[list[int]], width: int | None) -> dict:
         """Samples of whole pairs (`groups`: each sample's pairs) as rows: packed rows of `width` tokens, or
         (width None) each sequence its own row, padded. With `segments` (the sequence each target belongs to:
         2k = the k-th pair's chosen reply, 2k + 1 its rejected one, -1 none), `seq_tokens` (pairs x [chosen,
         rejected] target counts), and the counts of pairs, truncated pairs and samples."""
         flat = [p for g in groups for p in g]
         packed = width is not None
-        seqs = [[s for p in g for s in pairs.pair(p)] for g in groups]
+        seqs = [[s for p in g for s in pairs.unit(p)] for g in groups]
         rows = seqs if packed else [[s] for row in seqs for s in row]
         batch = collate_rows(rows, width or max(len(row[0][0]) for row in rows),
                              self.tokenizer.pad_token_id or self.tokenizer.eos_token_id, packed=packed)
@@ -181,31 +178,3 @@ def disable_dropout(model: torch.nn.Module) -> None:
         for name, value in list(vars(module).items()):
             if name.endswith("dropout") and isinstance(value, float):
                 setattr(module, name, 0.0)
-
-
-def show_examples(cfg: Config, n: int) -> str:
-    """The first `n` training pairs as the model sees them: the prompt, then each reply with its targets in
-    [[...]] (the prompt is what both sequences share before the first target)."""
-    data = prepare.open_prepared(cfg, PREFERENCE)
-    tok = toks.load_saved(data.tokenizer_dir)
-    pairs, out = data.train.pairs, []
-    for p in list(data.train.all_pairs())[:n]:
-        (c, cm), (r, rm) = pairs.pair(int(p))
-        same = int(np.argmin(np.append(c[:min(len(c), len(r))] == r[:min(len(c), len(r))], False)))
-        head = min(same, int(np.argmax(cm)), int(np.argmax(rm)))
-        out.append(f"--- pair {int(p)} (prompt {head} tokens; chosen {len(c) - head} tokens, {int(cm.sum())} "
-                   f"targets; rejected {len(r) - head} tokens, {int(rm.sum())} targets"
-                   f"{'; truncated' if pairs.truncated[2 * int(p)] else ''})\n[prompt]\n{tok.decode(c[:head].tolist())}"
-                   f"\n[chosen]\n{_marked(tok, c[head:], cm[head:])}\n[rejected]\n{_marked(tok, r[head:], rm[head:])}")
-    return "\n".join(out)
-
-
-def _marked(tok, ids: np.ndarray, mask: np.ndarray) -> str:
-    """The tokens decoded, runs of targets in [[...]]."""
-    parts, start = [], 0
-    for k in range(1, len(ids) + 1):
-        if k == len(ids) or mask[k] != mask[start]:
-            text = tok.decode(ids[start:k].tolist())
-            parts.append(f"[[{text}]]" if mask[start] else text)
-            start = k
-    return "".join(parts)

@@ -14,7 +14,7 @@ import torch
 from phalanx.core.config import ConfigError, load_config
 from phalanx.core.registry import check_command
 from phalanx.core.runfolder import EXIT_OK, RunFolder
-from phalanx.data.chat_template import fold_system, system_policy
+from phalanx.data.chat.template import fold_system, system_policy
 from phalanx.model.build import load_causal_lm
 
 

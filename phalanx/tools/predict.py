@@ -16,7 +16,7 @@ from phalanx.core import dist
 from phalanx.core.config import Config, ConfigError, load_config
 from phalanx.core.registry import check_command
 from phalanx.core.runfolder import EXIT_FAILED, EXIT_OK, RunFolder, write_text
-from phalanx.data import classify_inputs
+from phalanx.data.classify import inputs as classify_inputs
 from phalanx.model.build import load_classifier
 from phalanx.run.evaluate import eval_shard
 from phalanx.tasks.classify import predict_probs

@@ -1,6 +1,6 @@
 """A preference pair -> two token sequences (prompt + chosen, prompt + rejected), each with its targets.
 
-Each sequence is rendered and masked exactly as `task: chat` renders a conversation (chat_encode.ChatEncoder:
+Each sequence is rendered and masked exactly as `task: chat` renders a conversation (chat/encode.py's ChatEncoder:
 the same template handling, structural reply location and end-of-turn rule); its targets are the reply's
 tokens through the reply's end-of-turn token, never the prompt's. The prompt alone, rendered with the
 generation prompt (what the model reads before it writes), must tokenize as the first tokens of both
@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from phalanx.data.chat_encode import ChatEncoder, ChatSettings, Dropped, Encoded
-from phalanx.data.pref_records import Pair
+from phalanx.data.chat.encode import ChatEncoder, ChatSettings, Encoded
+from phalanx.data.counts import Dropped
+from phalanx.data.pref.records import Pair
 
 REPLIES = ("chosen", "rejected")
 
@@ -31,6 +32,15 @@ class EncodedPair:
     rejected: Encoded
     prompt_tokens: int    # the shared prompt's tokens (generation prompt included)
     truncated: bool = False
+
+    @property
+    def supervised(self) -> int:
+        return self.chosen.supervised + self.rejected.supervised
+
+    @property
+    def sequences(self) -> tuple[Encoded, Encoded]:
+        """The unit's sequences, in store order (units.py): chosen, then rejected."""
+        return self.chosen, self.rejected
 
 
 class PairEncoder:

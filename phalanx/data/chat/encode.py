@@ -2,7 +2,7 @@
 
 The ids are exactly `apply_chat_template(messages, tokenize=True, **template.kwargs)`. The targets of
 an assistant turn are the tokens from where its output starts (the end of the generation prompt, or its
-first text field: chat_layout.py) through its end-of-turn token, the first special token the template
+first text field: layout.py) through its end-of-turn token, the first special token the template
 writes after the turn's last text field. Characters map to tokens by offsets only: the tokenizer's
 (`tokenizers`), or token byte lengths (tiktoken, used for GPT-2-style BPE where it gives the same ids).
 
@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from phalanx.core.errors import ConfigError
-from phalanx.data.chat_layout import Layouts, Placement, Skeleton
-from phalanx.data.chat_template import Renderer, fold, split_reasoning
-
-# prompt_not_prefix: preference pairs only (pref_encode.py), whose prompt must tokenize as a prefix of each reply's
-REASONS = ("too_long", "template_refused", "template_changed", "nothing_to_learn", "prompt_not_prefix")
+from phalanx.data.chat.layout import Layouts, Placement, Skeleton
+from phalanx.data.chat.template import Renderer, fold, split_reasoning
+from phalanx.data.counts import Dropped
 
 
 @dataclass(frozen=True)
@@ -39,17 +37,19 @@ class ChatSettings:
 
 @dataclass
 class Encoded:
+    """A kept conversation: one sequence of a unit (units.py)."""
     ids: np.ndarray       # int64 token ids of the rendered conversation
     mask: np.ndarray      # bool: the token is a training target
     end_of_turn: int      # id of the assistant's end-of-turn token (-1: no assistant turn rendered)
     truncated: bool = False
 
+    @property
+    def supervised(self) -> int:
+        return int(self.mask.sum())
 
-@dataclass
-class Dropped:
-    reason: str           # one of REASONS
-    detail: str
-    tokens: int = 0       # the whole conversation's length, where it was tokenized
+    @property
+    def sequences(self) -> tuple[Encoded]:
+        return (self,)
 
 
 class Tokens:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phalanx.core.errors import ConfigError
-from phalanx.data.conversations import ChatFields, to_messages
+from phalanx.data.chat.formats import ChatFields, to_messages
 
 FORMATS = ("explicit", "implicit")
 

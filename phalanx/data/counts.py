@@ -1,5 +1,6 @@
-"""What chat preparation kept, truncated and dropped, and why — counted per piece, summed per split, and the
-gate that stops a run whose data step dropped too much (data.max_dropped_fraction).
+"""What a store of units (units.py: chat conversations, preference pairs) kept, truncated and dropped, and
+why — counted per piece, summed per split, and the gate that stops a run whose data step dropped too much
+(data.max_dropped_fraction).
 
 A piece's record (in the store index) holds its counts, the first dropped record of each reason (its row
 in the piece and why) and its longest dropped record; locations (file and line) are found only when they
@@ -7,8 +8,20 @@ are shown, since counting lines is slow.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from phalanx.data import pieces
-from phalanx.data.chat_encode import REASONS, Dropped, Encoded
+
+# prompt_not_prefix: preference pairs only (pref/encode.py), whose prompt must tokenize as a prefix of each reply's
+REASONS = ("too_long", "template_refused", "template_changed", "nothing_to_learn", "prompt_not_prefix")
+
+
+@dataclass
+class Dropped:
+    """A record that cannot be used."""
+    reason: str           # one of REASONS
+    detail: str
+    tokens: int = 0       # the whole record's length, where it was tokenized
 
 WHY = {"too_long": "too long for model.block_size", "template_refused": "refused by the chat template",
        "template_changed": "text changed by the chat template", "nothing_to_learn": "nothing to learn",
@@ -24,11 +37,12 @@ class Tally:
         self.examples: dict[str, list] = {}   # reason -> [row in the piece, detail]
         self.longest: list | None = None      # [tokens, row] of the longest record dropped as too long
 
-    def add(self, row: int, got: Encoded | Dropped) -> None:
-        if isinstance(got, Encoded):
+    def add(self, row: int, got) -> None:
+        """`got`: Dropped, or a kept unit (its `truncated` and `supervised` counts)."""
+        if not isinstance(got, Dropped):
             self.kept += 1
             self.truncated += got.truncated
-            self.supervised += int(got.mask.sum())
+            self.supervised += got.supervised
             return
         self.dropped[got.reason] += 1
         self.examples.setdefault(got.reason, [row, got.detail])

@@ -8,7 +8,7 @@ import numpy as np
 
 from phalanx.core.config import ConfigError
 from phalanx.data import pieces, readers, sources, store
-from phalanx.data.classify_store import EncodedSet
+from phalanx.data.classify.store import EncodedSet
 
 
 @dataclass

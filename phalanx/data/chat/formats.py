@@ -1,4 +1,4 @@
-"""Conversations for chat fine-tuning: records in the formats users have, turned into messages.
+"""Chat records in the formats users have, turned into messages; a record's format detected from its keys.
 
 Formats (`chat.format`, auto = detected from a record's keys):
     messages            {"messages": [{"role": "system|user|assistant", "content": "...",
@@ -6,25 +6,19 @@ Formats (`chat.format`, auto = detected from a record's keys):
     sharegpt            {"conversations": [{"from": "system|human|gpt", "value": "..."}]}
     alpaca              {"instruction": "...", "input": "... (optional)", "output": "..."}
     prompt_completion   {"prompt": "...", "completion": "..."}
-Rendering, where each message sits in the rendering (by structure) and the loss mask are in
-chat_template.py, chat_layout.py and chat_encode.py; `encode` here is the one-conversation entry for
-in-process use, and `fold_system` / `system_policy` what `phalanx chat` shares with preparation.
+Rendering, where each message sits in the rendering (by structure) and the loss mask are template.py,
+layout.py and encode.py.
 """
 from __future__ import annotations
 
-import json
-import weakref
 from dataclasses import dataclass
 
 from phalanx.core.errors import ConfigError
-from phalanx.data import chat_template
-from phalanx.data.chat_encode import ChatEncoder, ChatSettings, Encoded, special_ids  # noqa: F401 (re-exported)
-from phalanx.data.chat_template import CHATML_TEMPLATE, END, START, ensure_template  # noqa: F401 (re-exported)
 
 FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion")
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-# The record keys each format is read from, unless the config names others (data.*_field).
+# The record keys each format is read from, unless the config names others (chat.*_field).
 DEFAULT_FIELDS = {"messages": {"messages": "messages"}, "sharegpt": {"messages": "conversations"},
                   "alpaca": {"prompt": "instruction", "input": "input", "completion": "output", "system": "system"},
                   "prompt_completion": {"prompt": "prompt", "completion": "completion", "system": "system"}}
@@ -109,36 +103,3 @@ def to_messages(row, fields: ChatFields, where: str) -> list[dict]:
             {"role": "user", "content": prompt},
             {"role": "assistant", "content": _text(row[fields.key("completion")], where, fields.key("completion"))}]
     return messages  # one without an assistant turn is dropped and counted (nothing to learn)
-
-
-# ---- rendering and the mask (chat_template.py, chat_layout.py, chat_encode.py) ------------------------
-def system_policy(tokenizer, setting: str = "auto", kwargs: dict | None = None) -> str:
-    """template.system_message for this tokenizer's template: 'keep' or 'fold' (see chat_template.system_policy)."""
-    return chat_template.system_policy(tokenizer, setting, kwargs)
-
-
-def fold_system(messages: list[dict]) -> list[dict]:
-    """System messages folded into the next user turn ("system\\n\\nuser")."""
-    return chat_template.fold_system(messages)
-
-
-# Per tokenizer object (weakly: a key by id() would hand a new tokenizer that reuses a freed one's id its
-# stale encoder), then per settings.
-_ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def encode(tokenizer, messages: list[dict], train_on: str, block_size: int, truncation: str, where: str,
-           system: str = "auto", template_kwargs: dict | None = None) -> Encoded | None:
-    """Ids and loss mask of one conversation in at most `block_size` tokens, or None when it is dropped
-    (in-process use: tests, benches; preparation encodes batches with a ChatEncoder)."""
-    kwargs = json.dumps(template_kwargs or {}, sort_keys=True)
-    key = (train_on, block_size, truncation, system, kwargs)
-    encoders = _ENCODERS.setdefault(tokenizer, {})
-    if key not in encoders:
-        policy = system_policy(tokenizer, system, template_kwargs)
-        encoders[key] = ChatEncoder(tokenizer, ChatSettings(train_on, truncation, block_size, policy, kwargs))
-    try:
-        got = encoders[key].encode(messages)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    return got if isinstance(got, Encoded) else None

@@ -60,7 +60,7 @@ def train(run: Path, cache: Path, steps: int, logs: Path, *extra) -> dict:
     out = {"tokens_per_s": summary["tokens_per_s"], "train_s": summary["train_time_s"], "wall_s": measured["wall_s"],
            "data_ms": 1e3 * statistics.mean(m["data_time_s"] for m in steps),  # the logged steps' data phase
            "data_share": sum(m["data_time_s"] for m in steps) / sum(m["step_time_s"] for m in steps)}
-    files = list(cache.glob("remote/store-*/.stats.*.json"))  # one per process of the run (shard_cache.py)
+    files = list(cache.glob("remote/store-*/.stats.*.json"))  # one per process of the run (data/remote/cache.py)
     if files:
         stats = [json.loads(p.read_text()) for p in files]
         hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from phalanx.core.config import ConfigError, load_config
 from phalanx.data import prepare as pipeline
-from phalanx.data import store
+from phalanx.data import layout, store
 from phalanx.data.lm_store import LM
 from phalanx.data import tokenizer as toks
 from phalanx.tasks.classify import ClassifyTask
@@ -47,7 +47,7 @@ def assert_fails(data, cache: Path, message: str, *extra, workers: int = 1) -> s
         prepare(data, cache, *extra, workers=workers)
     text = str(err.value)
     assert message in text and "\n" not in text, text
-    assert not list(cache.rglob(store.INDEX)) and not list(cache.rglob("*.tmp")) and not list(cache.rglob("*.claim"))
+    assert not list(cache.rglob(layout.INDEX)) and not list(cache.rglob("*.tmp")) and not list(cache.rglob("*.claim"))
     return text
 
 
@@ -169,7 +169,7 @@ def test_a_failed_preparation_removes_the_index_of_older_data(tmp_path, tok):
     data = tmp_path / "d.jsonl"
     jsonl(data, [{"text": line} for line in LINES[:300]])
     prepare(data, tmp_path / "c", f"data.tokenizer={tok}")
-    assert list((tmp_path / "c").rglob(store.INDEX))
+    assert list((tmp_path / "c").rglob(layout.INDEX))
     data.write_text('{"text": "fine"}\n{"text": broken\n', encoding="utf-8")  # the file changed, and is damaged
     assert_fails(data, tmp_path / "c", "d.jsonl' line 2: malformed JSON", f"data.tokenizer={tok}")
 
@@ -209,7 +209,7 @@ def test_classification_rows_with_wrong_fields_name_the_row(tmp_path):
     rows[77]["label"] = 1.5
     with pytest.raises(ConfigError, match="float.jsonl' line 78: field 'label' should be an integer or a string"):
         prepare_classify(jsonl(tmp_path / "float.jsonl", rows), "c2")
-    assert not list((tmp_path / "c1").rglob(store.INDEX)) and not list((tmp_path / "c2").rglob(store.INDEX))
+    assert not list((tmp_path / "c1").rglob(layout.INDEX)) and not list((tmp_path / "c2").rglob(layout.INDEX))
 
 
 # ---- through the CLI: exit 2, one line on stderr, nothing left ------------------------------------------
@@ -222,7 +222,7 @@ def test_the_issue_command_corrupt_parquet_is_exit_2_with_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"phalanx: error: data file '{bad}': not a readable Parquet file (ArrowInvalid: Parquet magic bytes not "
         f"found in footer. Either the file is corrupted or this is not a parquet file.)"]
-    assert "Traceback" not in proc.stdout + proc.stderr and not list(tmp_path.rglob(store.INDEX))
+    assert "Traceback" not in proc.stdout + proc.stderr and not list(tmp_path.rglob(layout.INDEX))
 
 
 def test_pool_damage_through_prepare_is_exit_2_with_one_line(tmp_path, tok):
@@ -233,7 +233,7 @@ def test_pool_damage_through_prepare_is_exit_2_with_one_line(tmp_path, tok):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"phalanx: error: data file '{tmp_path / 'bad.parquet'}' row group "
                                                    f"5 of 10: cannot read ("), lines
-    assert not list(tmp_path.rglob(store.INDEX)) and not list(tmp_path.rglob(".*.tmp"))
+    assert not list(tmp_path.rglob(layout.INDEX)) and not list(tmp_path.rglob(".*.tmp"))
 
 
 def test_a_file_gone_after_planning_is_one_line_from_the_readers(tmp_path):

@@ -12,7 +12,7 @@ from conftest import REPO, SHAKESPEARE, SST2, phalanx
 from tokenizers import Tokenizer
 
 from phalanx.core.config import load_config
-from phalanx.data import pieces, prepare, store
+from phalanx.data import layout, pieces, prepare, store
 from phalanx.data import tokenizer as toks
 from phalanx.data.sources import Split, open_source
 from phalanx.tasks.classify import ClassifyTask
@@ -116,7 +116,7 @@ def test_a_record_format_with_a_mask_rows_and_a_finish_step(tmp_path):
         summary = prepare.prepare(cfg, fmt, workers, progress=False)["train"]
         folder = Path(summary["folder"])
         assert summary["shards"] > 4 and summary["note"] == "toy" and summary["documents"] == len(rows)
-        index = store.read_index(folder)
+        index = layout.read_index(folder)
         assert index["format"] == "masked" and index["longest"] == summary["longest"]
         ids, mask = store.TokenStore(folder), prepare.open_prepared(cfg, fmt)["train"]
         offsets = np.load(folder / "offsets.npy")
@@ -131,7 +131,7 @@ def test_a_record_format_with_a_mask_rows_and_a_finish_step(tmp_path):
     # a shard with an array missing is not taken as finished: it is encoded again
     shard = next(p for p in folder.glob("*.mask.bin"))
     shard.unlink()
-    (folder / store.INDEX).unlink()
+    (folder / layout.INDEX).unlink()
     prepare.prepare(cfg, fmt, 1, progress=False)
     again = {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix in (".bin", ".npy")}
     assert shard.is_file() and again == out[2]

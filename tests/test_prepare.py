@@ -15,7 +15,7 @@ from conftest import REPO, SHAKESPEARE, phalanx
 from tokenizers import Tokenizer
 
 from phalanx.core.config import load_config
-from phalanx.data import pieces, prepare, store
+from phalanx.data import layout, pieces, prepare, store
 from phalanx.data.lm_store import LM
 from phalanx.data import tokenizer as toks
 from phalanx.data.samplers import GlobalBatchSampler
@@ -74,7 +74,7 @@ def cfg_for(data, cache: Path, *extra):
 
 def store_bytes(cache: Path) -> tuple[bytes, list]:
     folder = next(cache.glob("store-*"))
-    index = store.read_index(folder)
+    index = layout.read_index(folder)
     return b"".join((folder / s["file"]).read_bytes() for s in index["shards"]), \
         [(s["file"], s["tokens"], s["documents"], s["range"]) for s in index["shards"]]
 
@@ -135,7 +135,7 @@ def test_killed_prepare_resumes_from_its_shards_and_gives_the_same_store(tmp_pat
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     folder = next(cache.glob("store-*"))
-    assert not (folder / store.INDEX).exists()
+    assert not (folder / layout.INDEX).exists()
     done = {p.name: p.stat().st_mtime_ns for p in folder.glob("*.bin")}
     assert 10 <= len(done) < 100
     phalanx(*args, f"data.cache_dir={cache}", check=True, timeout=120)
@@ -158,7 +158,7 @@ def test_malformed_line_deep_in_a_file_is_exit_2_naming_file_and_line_and_leaves
     assert f"data file '{bad}' line 45001: malformed JSON" in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no worker started
     folder = next(cache.glob("store-*"))
-    assert not (folder / store.INDEX).exists() and list(folder.glob("*.bin"))  # finished shards kept for reuse
+    assert not (folder / layout.INDEX).exists() and list(folder.glob("*.bin"))  # finished shards kept for reuse
     assert not list(folder.glob(".*"))
 
 

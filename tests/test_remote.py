@@ -22,7 +22,8 @@ from test_prepare import tokenizer_dir
 
 from phalanx.core.config import ConfigError, load_config
 from phalanx.data import prepare as pipeline
-from phalanx.data import shard_cache, store
+from phalanx.data import layout, store
+from phalanx.data.remote import cache as shard_cache
 from phalanx.data.lm_store import LM
 
 LINES = [line for line in SHAKESPEARE.read_text(encoding="utf-8").splitlines() if line.strip()][:6000]
@@ -79,7 +80,7 @@ def test_every_input_format_read_from_s3_gives_the_local_store(s3, tok, tmp_path
         assert len(shards) > 1 and shards_s3 == shards, name
         assert np.array_equal(ids_s3, ids), name
         assert there["train"]["source"].startswith("s3://") and there["train"]["files"] == len(files)
-        index = store.read_index(there["train"]["folder"])
+        index = layout.read_index(there["train"]["folder"])
         assert index["sources"][0][0] == f"{bucket}/corpus/{sorted(files)[0]}" and index["sources"][0][2]  # ETag
         again = pipeline.prepare(lm_cfg(f"{bucket}/corpus/{name}", tmp_path / f"s3-{name}", tok), LM, 1,
                                  progress=False)
@@ -99,7 +100,7 @@ def test_damaged_or_missing_objects_are_one_line_like_local_files(s3, tok, tmp_p
         s3.put(f"{bucket}/{name}", data)
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
             pipeline.prepare(lm_cfg(f"{bucket}/{name}", tmp_path / name, tok), LM, 1, progress=False)
-        assert not list((tmp_path / name).rglob(store.INDEX))
+        assert not list((tmp_path / name).rglob(layout.INDEX))
     s3.put(f"{bucket}/good.jsonl", jsonl_bytes(LINES[:50]))
     pipeline.prepare(lm_cfg(f"{bucket}/good.jsonl", tmp_path / "good", tok), LM, 1, progress=False)  # control
     for url, message in ((f"{bucket}/nope.jsonl", "'s3://damaged/nope.jsonl' not found"),
@@ -139,7 +140,7 @@ def test_a_store_larger_than_the_cache_trains_bitwise_like_the_local_store(s3, t
     run, cache = tmp_path / "remote", tmp_path / "node-cache"
     phalanx(*remote_run(run, cache, url), "--nproc-per-node", 2, check=True, timeout=240)
     same_run(run, local)
-    index = json.loads((cache_folder(cache) / store.INDEX).read_text())
+    index = json.loads((cache_folder(cache) / layout.INDEX).read_text())
     store_bytes = index["summary"]["store_bytes"]
     assert store_bytes > 1.5 * 0.6e6 and all(len(s["sha256"]["ids"]) == 64 for s in index["shards"])
     left = sum(p.stat().st_size for p in cache_folder(cache).glob("*.bin"))
@@ -220,7 +221,7 @@ def test_a_killed_downloader_leaves_nothing_to_wait_on(s3, tmp_path):
     folder.mkdir()
     files = {"big.bin": (len(data), hashlib.sha256(data).hexdigest())}
     shard_cache.write_marker(folder, url, 0, files)
-    code = f"from phalanx.data import shard_cache; shard_cache.attached({str(folder)!r}).open('big.bin')"
+    code = f"from phalanx.data.remote import cache; cache.attached({str(folder)!r}).open('big.bin')"
     child = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ))
     deadline = time.time() + 60
     while not list(folder.glob(".big.bin.*.tmp")) and time.time() < deadline and child.poll() is None:

@@ -20,7 +20,7 @@ from test_prepare import tokenizer_dir
 from test_remote import LINES, lm_cfg
 
 from phalanx.data import prepare as pipeline
-from phalanx.data import shard_cache
+from phalanx.data.remote import cache as shard_cache
 from phalanx.data.lm_store import LM
 from phalanx.data.samplers import GlobalBatchSampler, ShardPlan, windowed_order
 from phalanx.run.batches import BatchSource

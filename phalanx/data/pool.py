@@ -24,7 +24,7 @@ from tqdm import tqdm
 from phalanx.core import host
 from phalanx.core.errors import redact
 from phalanx.data import pieces
-from phalanx.data.remote import Place
+from phalanx.data.remote.place import Place
 
 
 def piece_bytes(shard_mb: float, total: int) -> int:

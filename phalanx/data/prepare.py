@@ -27,7 +27,8 @@ from phalanx.core import host
 from phalanx.core.config import Config, ConfigError
 from phalanx.core.errors import redact
 from phalanx.core.runfolder import write_json
-from phalanx.data import cache, pieces, pool, readers, remote, samplers, store
+from phalanx.data import cache, layout, pieces, pool, readers, samplers, store
+from phalanx.data.remote import place as remote
 from phalanx.data import tokenizer as toks
 from phalanx.data.sample import sample_rows
 from phalanx.data.sources import Source, Split, file_identity, open_source, source_identity, splits
@@ -44,7 +45,7 @@ class RecordFormat:
     version = ""           # in the folders' fingerprint and the index
     tokenizer = "bpe"      # the kind trained when no tokenizer is named: 'bpe' or 'wordpiece'
     needs = "eos_token"    # the special token the tokenizer must have; its id goes in the index (eos_id)
-    token_arrays: dict = {"ids": None}  # per-token arrays: name -> dtype (None: store.token_dtype of the vocabulary)
+    token_arrays: dict = {"ids": None}  # per-token arrays: name -> dtype (None: layout.token_dtype of the vocabulary)
     row_arrays: dict = {}  # per-row arrays: name -> dtype; with 'lengths' the rows are ragged (offsets.npy)
 
     def tokenizer_variant(self, cfg: Config) -> str:
@@ -175,7 +176,7 @@ def prepare(cfg: Config, fmt: RecordFormat, workers: int = 0, progress: bool = T
             summaries[split.name] = {**index["summary"], "reused": True}
             if place.remote:  # the local copy other steps read (e.g. chat's counts)
                 place.local.mkdir(parents=True, exist_ok=True)
-                write_json(place.local / store.INDEX, index)
+                write_json(place.local / layout.INDEX, index)
         else:
             index = build_split(cfg, fmt, split, tok_dir, how, done)
             summaries[split.name] = index["summary"]
@@ -216,7 +217,7 @@ def build_split(cfg: Config, fmt: RecordFormat, split: Split, tok_dir: Path, how
     vocab, total = toks.backend(tok_dir).get_vocab_size(with_added_tokens=True), source.size
     job, notes = fmt.job(cfg, split, tok_dir, total)
     work = PieceWork(fmt, job, place,
-                     {n: np.dtype(dt or store.token_dtype(vocab)) for n, dt in fmt.token_arrays.items()},
+                     {n: np.dtype(dt or layout.token_dtype(vocab)) for n, dt in fmt.token_arrays.items()},
                      {n: np.dtype(dt) for n, dt in fmt.row_arrays.items()})
     size = pool.piece_bytes(d.shard_mb, total)
     workers = pool.pool_size(how.workers, total, size)
@@ -309,7 +310,7 @@ def remove_unlisted(folder: Path, records: list[dict]) -> None:
     every piece is done then, so a temporary file left is one that a killed preparation was writing."""
     keep = {r["fingerprint"] for r in records}
     for path in folder.iterdir():
-        stale = path.suffix in (".bin", ".json") and path.name != store.INDEX and path.name.split(".")[0] not in keep
+        stale = path.suffix in (".bin", ".json") and path.name != layout.INDEX and path.name.split(".")[0] not in keep
         if stale or path.name.endswith((".tmp", ".claim")):  # also what a killed preparation left
             path.unlink(missing_ok=True)
 
@@ -340,7 +341,7 @@ def _current(cfg: Config, fmt: RecordFormat) -> tuple[Path, dict[str, Path]]:
 def train_plan(cfg: Config, fmt: RecordFormat) -> str:
     """The shard plan (store.plan_digest) of the prepared training store of `cfg`; '' if it is not prepared."""
     place = store_place(cfg, fmt, splits(cfg)[0], tokenizer_folder(cfg, fmt))
-    index = store.read_index(place.local) or place.read_index()
+    index = layout.read_index(place.local) or place.read_index()
     return store.plan_digest(index["shards"]) if index else ""
 
 

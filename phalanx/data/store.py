@@ -14,8 +14,8 @@ A store is a folder (one per split):
                               a store is complete exactly when its index exists
 Each shard's record holds the sha256 of each of its array files (`sha256`; stores made before it have
 none: a download is then checked by size only). Readers memory-map the shards, so memory per process does
-not depend on the size of the corpus; a store kept on object storage (remote.py) is mapped shard by shard
-from the node-local cache (shard_cache.py) as the sample order reaches it.
+not depend on the size of the corpus; a store kept on object storage (remote/place.py) is mapped shard by shard
+from the node-local cache (remote/cache.py) as the sample order reaches it.
 """
 from __future__ import annotations
 
@@ -28,53 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from phalanx.core.runfolder import write_json
-from phalanx.data import shard_cache
-
-INDEX = "index.json"
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The one rule for token ids: 2 bytes when every id fits, else 4."""
-    return np.dtype(np.uint16 if vocab_size <= 65536 else np.uint32)
-
-
-def read_index(folder: Path) -> dict | None:
-    try:
-        return json.loads((Path(folder) / INDEX).read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def array_file(fp: str, name: str) -> str:
-    """A shard's file of array `name`: token ids keep the plain `<fp>.bin` of the first store format."""
-    return f"{fp}.bin" if name == "ids" else f"{fp}.{name}.bin"
-
-
-def arrays_of(record: dict) -> dict[str, tuple[str, str]]:
-    """name -> (dtype, 'tokens' | 'rows') of a shard record's arrays (a record with only ids lists none)."""
-    return record.get("arrays") or {"ids": (record["dtype"], "tokens")}
-
-
-def shard_record(folder: Path, fp: str) -> dict | None:
-    """The record of a finished shard, or None (its .json is written only after its arrays are complete)."""
-    try:
-        record = json.loads((folder / f"{fp}.json").read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    for name, (dtype, per) in arrays_of(record).items():
-        data = folder / array_file(fp, name)
-        if not data.is_file() or data.stat().st_size != record[per] * np.dtype(dtype).itemsize:
-            return None
-    return record
-
-
-def shard_array(folder: Path, record: dict, name: str) -> np.ndarray:
-    """One array of a shard, memory-mapped (an empty one as an empty array: it cannot be mapped)."""
-    dtype, per = arrays_of(record)[name]
-    if not record[per]:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(Path(folder) / array_file(record["fingerprint"], name), dtype=dtype, mode="r",
-                     shape=(record[per],))
+from phalanx.data.layout import INDEX, array_file, arrays_of, read_index, shard_array
+from phalanx.data.remote import cache as shard_cache
 
 
 class ShardWriter:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import counts, prepare, store
+from phalanx.data import counts, layout, prepare, store
 from phalanx.data.sources import Split, splits
 
 
@@ -53,7 +53,7 @@ class UnitFormat(prepare.RecordFormat):
                               f"token to train on after truncation to model.block_size={cfg.model.block_size} "
                               f"({summary['dropped']} dropped: {reasons(summary)}); raise model.block_size or "
                               f"check the chat template and the task's record settings")
-        flags = [store.shard_array(folder, r, "truncated") for r in records if r["rows"]]
+        flags = [layout.shard_array(folder, r, "truncated") for r in records if r["rows"]]
         np.save(folder / "truncated.npy", np.concatenate(flags).astype(np.uint8))
         sizes = lengths.reshape(-1, self.sequences).sum(1)
         out = {**summary, f"{self.unit}s": len(sizes), "supervised_tokens": sum(r["supervised"] for r in records),
@@ -71,7 +71,7 @@ class UnitFormat(prepare.RecordFormat):
         return out
 
     def open(self, cfg: Config, tok_dir: Path, folders: dict[str, Path]) -> UnitData:
-        index = store.read_index(folders["train"])
+        index = layout.read_index(folders["train"])
         train, packed = Units(folders["train"], self.sequences), cfg.data.packing
         if "validation" in folders:
             sets = (train.view(packed), Units(folders["validation"], self.sequences).view(packed))
@@ -97,7 +97,7 @@ def dropped_error(cfg: Config, fmt: UnitFormat, truncation: str = "keep_end") ->
     fix the message names."""
     tok_dir = prepare.tokenizer_folder(cfg, fmt)
     for split in splits(cfg):
-        index = store.read_index(prepare.store_folder(cfg, fmt, split, tok_dir))
+        index = layout.read_index(prepare.store_folder(cfg, fmt, split, tok_dir))
         message = index and counts.gate(split.key, split.spec or "built-in data", index,
                                         cfg.data.max_dropped_fraction, truncation, cfg.model.block_size)
         if message:

@@ -49,6 +49,52 @@ class Progress:
             self.bar.close()
 
 
+class PassProgress:
+    """The pass's progress on the main rank, as log.progress asks (auto: a bar on an interactive terminal, else
+    lines; off: nothing): pairs done / total (those an earlier, killed pass wrote count as done), pairs/s and
+    (non-padding) tokens/s of this pass, and the time left. Lines after the first micro-batch (the first
+    estimate), then every EVERY_S seconds, and at the end, like the training loop's:
+    `reference pass   1,024/3,000 pairs | 12.3 pairs/s |     4567 tok/s | eta 2:41`."""
+    EVERY_S = 30.0
+
+    def __init__(self, mode: str, total: int, done: int):
+        self.mode = ("bar" if sys.stderr.isatty() else "lines") if mode == "auto" else mode
+        self.total, self.done, self.pairs, self.tokens = total, done, 0, 0.0
+        self.t0 = self.shown = time.perf_counter()
+        self.first, self.bar = True, None
+        if self.mode == "bar":
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=done, unit="pair", desc="reference pass", file=sys.stderr,
+                            dynamic_ncols=True, mininterval=0.5)
+
+    def update(self, pairs: int, tokens: float) -> None:
+        self.done, self.pairs, self.tokens = self.done + pairs, self.pairs + pairs, self.tokens + tokens
+        now = time.perf_counter()
+        elapsed = max(now - self.t0, 1e-9)
+        if self.bar is not None:
+            self.bar.set_postfix(tok_s=f"{self.tokens / elapsed:.0f}", refresh=False)
+            self.bar.update(pairs)
+        elif self.mode == "lines" and (self.first or now - self.shown >= self.EVERY_S or self.done >= self.total):
+            rate = self.pairs / elapsed
+            eta = (self.total - self.done) / rate if rate > 0 else math.inf
+            print(f"reference pass {self.done:>8,}/{self.total:,} pairs | {rate:.1f} pairs/s | "
+                  f"{self.tokens / elapsed:>8.0f} tok/s | eta {_fmt_time(eta)}", flush=True)
+            self.first, self.shown = False, now
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fmt_time(seconds: float) -> str:
+    """As the training loop's progress lines (run/monitor.py): m:ss or h:mm:ss."""
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
 def _fmt_time(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"

@@ -15,7 +15,8 @@ import gc
 import math
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ from phalanx.run.clock import BACKWARD, DATA, FORWARD, SYNC, StepClock, StepMark
 from phalanx.run.evaluate import evaluate
 from phalanx.run.memphases import PhasePeaks
 from phalanx.run.export import export_dtype, export_final
-from phalanx.run.monitor import Monitor
+from phalanx.run.monitor import Monitor, PassProgress
 from phalanx.run.probe import Probe
 from phalanx.run.startline import start_line
 from phalanx.run.trainee import Trainee, build_trainee, checkpoint_dict, say
@@ -91,9 +92,9 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     task.open_data()
     tr = build_trainee(cfg, info, task)
     probe = Probe(watchdog, parse_fault(cfg.debug.fault), info.rank, info.attempt, memory)
-    # before a checkpoint is loaded: the model holds its initial weights; a long pass (preference tuning's
-    # precomputed reference) beats the watchdog per micro-batch
-    task.attach(tr, beat=lambda micro: probe(-1, Phase.REFERENCE, micro))
+    # before a checkpoint is loaded (the model holds its initial weights); a long pass beats the watchdog
+    task.attach(tr, beat=lambda micro: probe(-1, Phase.REFERENCE, micro),
+                progress=partial(PassProgress, cfg.log.progress) if info.is_main else None)
     say(info, start_line(cfg, info, tr, accum))
     state = TrainState(data_order=order_version(cfg.data.order, cfg.data.store_url))  # a resume keeps its own
     checkpointer, saved = Checkpointer(folder.root, info, t.keep_checkpoints), checkpoint_dict(tr, state)
@@ -104,22 +105,22 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
                       start_step=state.step, cfg=cfg)
     if resumed:
         monitor.log(resumed)
-    run = Run(cfg, info, folder, probe, monitor,
-              checkpointer, saved, start_step=state.step, started_at=started_at,
-              clock=StepClock.for_device(info.device), shard_plan=shard_plan(cfg, task))
-    if info.is_main:  # once per run, by the rank that writes meta.json (the launcher's hashing cached the digests)
-        run.base_model = base_identity(cfg.model.pretrained, cache_root(cfg.data.cache_dir))
-    run.telemetry = Telemetry(info, cfg, n_params=count_parameters(tr.model), model=tr.model, wrapped=tr.wrapped,
-                              amp_dtype=tr.amp_dtype, monitor=monitor, clock=run.clock, memory=memory)
-    run.preempt = PreemptionFlag()
-    # prefetch on CUDA only: on the CPU the collating thread would take cores from the step itself
-    run.batches = BatchSource(task, sampler, info.rank, info.world_size, info.device,
-                              prefetch=info.device.type == "cuda")
+    clock = StepClock.for_device(info.device)
+    run = Run(cfg, info, folder, probe, monitor, checkpointer, saved, start_step=state.step, started_at=started_at,
+              clock=clock, shard_plan=shard_plan(cfg, task),
+              # once per run, by the rank that writes meta.json (the launcher's hashing cached the digests)
+              base_model=base_identity(cfg.model.pretrained, cache_root(cfg.data.cache_dir)) if info.is_main else "",
+              telemetry=Telemetry(info, cfg, n_params=count_parameters(tr.model), model=tr.model, wrapped=tr.wrapped,
+                                  amp_dtype=tr.amp_dtype, monitor=monitor, clock=clock, memory=memory),
+              preempt=PreemptionFlag(),
+              # prefetch on CUDA only: on the CPU the collating thread would take cores from the step itself
+              batches=BatchSource(task, sampler, info.rank, info.world_size, info.device,
+                                  prefetch=info.device.type == "cuda"))
     watchdog.timeout_s = cfg.dist.timeout_s  # start-up is over: the training timeout applies
 
     # ---- the loop, then the finish -------------------------------------------------------------
     try:
-        stopped, eval_metrics = _loop(run, tr, task, state)
+        stopped, eval_metrics, first_step_at = _loop(run, tr, task, state)
     finally:
         run.batches.close()
     if stopped:
@@ -133,7 +134,7 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     counts = {"parameters": count_parameters(tr.model),
               "trainable_parameters": trainable_parameters(tr.model)}
     export_final(tr.model, task, folder, info, t.export_shard_mb, export_dtype(t.export_dtype, cfg.model.pretrained))
-    return _finish(run, tr, task, state, eval_metrics, accum, counts)
+    return _finish(run, tr, task, state, eval_metrics, accum, counts, first_step_at)
 
 
 def shard_plan(cfg: Config, task) -> dict:
@@ -171,22 +172,21 @@ class Run:
     saved: CheckpointDict         # what each checkpoint saves
     start_step: int               # the step this attempt started (or resumed) at
     started_at: float             # time.time() when the worker started
-    clock: StepClock = field(default_factory=StepClock)  # marks each step's phases (host clock; CUDA events)
-    telemetry: Telemetry | None = None
-    preempt: PreemptionFlag | None = None
-    batches: BatchSource | None = None  # this rank's micro-batches of each step, on the host
-    first_step_at: float | None = None
-    base_model: str = ""          # the pretrained base's identity (model/identity.py), on the main rank
-    shard_plan: dict = field(default_factory=dict)  # the training store's shard plan (shard_plan), for meta.json
-    task_sums: torch.Tensor | None = None  # the task's training-metric sums since the last log line
+    clock: StepClock              # marks each step's phases (host clock; CUDA events)
+    shard_plan: dict              # the training store's shard plan (shard_plan), for meta.json
+    base_model: str               # the pretrained base's identity (model/identity.py), on the main rank ('' else)
+    telemetry: Telemetry
+    preempt: PreemptionFlag
+    batches: BatchSource          # this rank's micro-batches of each step, on the host
 
 
-def _loop(run: Run, tr: Trainee, task, state: TrainState) -> tuple[bool, dict]:
+def _loop(run: Run, tr: Trainee, task, state: TrainState) -> tuple[bool, dict, float | None]:
     """Steps until train.max_steps or a stop all ranks agreed on. At the top of each pass, what the steps
     so far earned: evaluation and checkpoint on their intervals, and both at the last step (the same code).
-    Returns (stopped early, the last evaluation's metrics)."""
+    Returns (stopped early, the last evaluation's metrics, when the first step ended)."""
     t, monitor = run.cfg.train, run.monitor
     stop, checkpoint_due, last_ckpt_time, eval_metrics = False, False, time.time(), {}
+    first_step_at, task_sums = None, None  # task_sums: the task's training-metric sums since the last log line
     while True:
         step = state.step
         last_step = step >= t.max_steps
@@ -199,31 +199,32 @@ def _loop(run: Run, tr: Trainee, task, state: TrainState) -> tuple[bool, dict]:
             _save(run, state)
             last_ckpt_time = time.time()
         if last_step or stop:
-            return stop, eval_metrics
+            return stop, eval_metrics, first_step_at
 
         minutes_due = (bool(t.checkpoint_every_minutes)
                        and time.time() - last_ckpt_time > 60 * t.checkpoint_every_minutes)
         r = train_step(run, tr, task, state, votes=(run.preempt.requested, minutes_due))
         state.advance(t.global_batch_size, int(r.tokens), r.marks.host_seconds)
-        run.first_step_at = run.first_step_at or time.time()
+        first_step_at = first_step_at or time.time()
         stop, checkpoint_due = r.stop, r.checkpoint_due
         run.telemetry.step(r)
         if r.task_sums is not None:
-            run.task_sums = r.task_sums if run.task_sums is None else run.task_sums + r.task_sums
+            task_sums = r.task_sums if task_sums is None else task_sums + r.task_sums
 
         step = state.step
         if step % t.log_every == 0 or step == t.max_steps or stop:
             # loss, rates, time split, per-rank resources, MFU: one gather on all ranks, the line on rank 0
-            monitor.train(step, {**run.telemetry.collect(step), **_task_metrics(run, task), "lr": r.lr,
+            monitor.train(step, {**run.telemetry.collect(step), **_task_metrics(run, task, task_sums), "lr": r.lr,
                                  "grad_norm": r.grad_norm, "tokens_seen": state.tokens_seen,
                                  "epoch": state.samples_seen / len(task.train_set)})
+            task_sums = None
 
 
-def _task_metrics(run: Run, task) -> dict:
+def _task_metrics(run: Run, task, task_sums: torch.Tensor | None) -> dict:
     """The task's training metrics over the log window: its sums all-reduced (every rank has some or none)."""
-    if run.task_sums is None:
+    if task_sums is None:
         return {}
-    sums, run.task_sums = dist.all_reduce(run.task_sums.tolist(), run.info), None
+    sums = dist.all_reduce(task_sums.tolist(), run.info)
     return task.train_metrics(sums) if run.info.is_main else {}
 
 
@@ -367,7 +368,8 @@ def _non_finite(run: Run, state: TrainState, bad_micro: float) -> None:
     run.monitor.log({"step": step + 1, "event": "nan_skip", "where": where})
 
 
-def _finish(run: Run, tr: Trainee, task, state: TrainState, eval_metrics: dict, accum: int, counts: dict) -> dict:
+def _finish(run: Run, tr: Trainee, task, state: TrainState, eval_metrics: dict, accum: int, counts: dict,
+            first_step_at: float | None) -> dict:
     """The summary (RUN/summary.json) and the closing lines."""
     cfg, info, t, now = run.cfg, run.info, run.cfg.train, time.time()
     summary = {
@@ -378,7 +380,7 @@ def _finish(run: Run, tr: Trainee, task, state: TrainState, eval_metrics: dict, 
         "train_time_s": round(state.train_time_s, 3),
         "tokens_per_s": state.tokens_seen / max(state.train_time_s, 1e-9),
         "wall_time_s": round(now - run.started_at, 3),
-        "startup_s": round((run.first_step_at or now) - run.started_at, 3),
+        "startup_s": round((first_step_at or now) - run.started_at, 3),
         "resumed_from_step": run.start_step, "optimizer_impl": optimizer_impl(tr.optimizer),
         **eval_metrics, **task.summary_extra(), **run.telemetry.summary()}
     if info.is_main:

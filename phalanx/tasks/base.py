@@ -36,7 +36,8 @@ class Task(Protocol):
     def open_data(self) -> None: ...  # the prepared data, memory-mapped: sets train_set, val_set, tokenizer
     def train_order(self, data_order: int): ...
     def build_model(self, builder=None) -> torch.nn.Module: ...
-    def attach(self, trainee, beat=None) -> None: ...  # once the model is built, before a checkpoint is loaded
+    # once the model is built, before a checkpoint is loaded; beat(k): the hang watchdog; progress: a display
+    def attach(self, trainee, beat=None, progress=None) -> None: ...
     def collate(self, dataset, indices) -> dict: ...
     def batch_tokens(self, batch: dict) -> int: ...
     def useful_tokens(self, batch: dict) -> int: ...
@@ -101,10 +102,11 @@ class TaskBase:
         """What to run on the finished run (printed at the end of training)."""
         return [f"phalanx report {run_dir}"]
 
-    def attach(self, trainee, beat=None) -> None:
+    def attach(self, trainee, beat=None, progress=None) -> None:
         """Called once the trainer built the model (run/trainee.Trainee), before a checkpoint is loaded into it:
         the model holds its initial weights (preference tuning computes its reference from them). `beat(k)`,
-        if given, tells the hang watchdog that long work done here finished its k-th micro-batch."""
+        if given, tells the hang watchdog that long work done here finished its k-th micro-batch; `progress(total,
+        done)`, if given (the main rank), makes its progress display (run/monitor.PassProgress)."""
 
     # ---- the training step ------------------------------------------------------------------
     def step_counts(self, batch: dict) -> list[float]:

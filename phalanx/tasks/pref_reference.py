@@ -24,7 +24,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -118,16 +117,16 @@ def reference_logps(task, model: torch.nn.Module, batch: dict) -> torch.Tensor:
             p.requires_grad_(True)
 
 
-def attach(task, trainee, beat=None) -> Reference:
+def attach(task, trainee, beat=None, progress=None) -> Reference:
     """The run's reference, built or computed now (the policy holds its initial weights). `beat(k)`: the hang
-    watchdog's beat, once per micro-batch of a precomputed pass."""
+    watchdog's beat, once per micro-batch of a precomputed pass; `progress(total, done)`: its progress display."""
     name = kind(task.cfg)
     if name == "adapters_off":
         return Reference(name, task, trainee.model)
     if name == "model":
         return Reference(name, task, frozen_copy(task, trainee))
     if name == "precomputed":
-        precompute(task, trainee, beat)
+        precompute(task, trainee, beat, progress)
     return Reference(name, task)
 
 
@@ -161,7 +160,7 @@ def folder_of(store: Path, what: dict) -> Path:
     return store / f"reference-{digest}"
 
 
-def precompute(task, trainee, beat=None) -> None:
+def precompute(task, trainee, beat=None, progress=None) -> None:
     """Every pair's reference log-probs for the training and validation pairs: read where this key's were
     written, else computed now by all ranks (and written by each node's first process); `beat(k)` once per
     micro-batch of the pass."""
@@ -174,7 +173,7 @@ def precompute(task, trainee, beat=None) -> None:
             done[pairs.folder] = stored(out, what, pairs.n)
             how = "read from"
             if done[pairs.folder] is None:
-                done[pairs.folder], how = compute(task, trainee, pairs, out, what, beat), "computed into"
+                done[pairs.folder], how = compute(task, trainee, pairs, out, what, beat, progress), "computed into"
             if task.info.is_main:
                 print(f"phalanx: reference log-probs of {pairs.n:,} pairs {how} {out} in "
                       f"{time.perf_counter() - t0:.1f} s", flush=True)
@@ -192,11 +191,12 @@ def stored(out: Path, what: dict, n: int) -> np.ndarray | None:
     return values if values.shape == (n, 2) else None
 
 
-def compute(task, trainee, pairs, out: Path, what: dict, beat=None) -> np.ndarray:
+def compute(task, trainee, pairs, out: Path, what: dict, beat=None, progress=None) -> np.ndarray:
     """The distributed pass: chunks not yet written are dealt to the ranks in turn, one per rank per round, each
     run in micro-batches. After every micro-batch the ranks gather its log-probs (with the pairs and tokens
     done, for the progress line), so a rank waits at most one of another's micro-batches, and each calls
-    `beat(k)` (the hang watchdog) per micro-batch: a chunk may take longer than dist.startup_timeout_s. At the
+    `beat(k)` (the hang watchdog) per micro-batch: a chunk may take longer than dist.startup_timeout_s, and the
+    main rank's `progress(total, done)` display (run/monitor.PassProgress) is updated. At the
     end of a round each node's first process writes its chunks. Under FSDP every rank runs a forward in each
     micro-batch of the round (a rank with less runs throw-away batches: FSDP's forwards are collective)."""
     info, micro, beat = task.info, task.cfg.train.micro_batch_size, beat or (lambda k: None)
@@ -208,8 +208,8 @@ def compute(task, trainee, pairs, out: Path, what: dict, beat=None) -> np.ndarra
     # missing on any node is missing: every rank then deals the same list
     missing = dist.all_reduce([float(not (out / _chunk(c)).is_file()) for c in range(chunks)], info, "max")
     todo = [c for c, m in enumerate(missing) if m]
-    progress = PassProgress(task.cfg.log.progress if info.is_main else "off", pairs.n,
-                            pairs.n - sum(len(_pairs_of(c, pairs.n)) for c in todo))
+    progress = (progress if info.is_main and progress else _Silent)(
+        pairs.n, pairs.n - sum(len(_pairs_of(c, pairs.n)) for c in todo))
     model, k = trainee.model, 0
     try:
         for r in range(0, len(todo), info.world_size):
@@ -247,50 +247,17 @@ def compute(task, trainee, pairs, out: Path, what: dict, beat=None) -> np.ndarra
     return np.load(out / "logps.npy")
 
 
-class PassProgress:
-    """The pass's progress on the main rank, as log.progress asks (auto: a bar on an interactive terminal, else
-    lines; off: nothing): pairs done / total (those an earlier, killed pass wrote count as done), pairs/s and
-    (non-padding) tokens/s of this pass, and the time left. Lines after the first micro-batch (the first
-    estimate), then every EVERY_S seconds, and at the end, like the training loop's:
-    `reference pass   1,024/3,000 pairs | 12.3 pairs/s |     4567 tok/s | eta 2:41`."""
-    EVERY_S = 30.0
+class _Silent:
+    """No progress display (the other ranks; a caller that gives none)."""
 
-    def __init__(self, mode: str, total: int, done: int):
-        self.mode = ("bar" if sys.stderr.isatty() else "lines") if mode == "auto" else mode
-        self.total, self.done, self.pairs, self.tokens = total, done, 0, 0.0
-        self.t0 = self.shown = time.perf_counter()
-        self.first, self.bar = True, None
-        if self.mode == "bar":
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=done, unit="pair", desc="reference pass", file=sys.stderr,
-                            dynamic_ncols=True, mininterval=0.5)
+    def __init__(self, total: int, done: int):
+        pass
 
     def update(self, pairs: int, tokens: float) -> None:
-        self.done, self.pairs, self.tokens = self.done + pairs, self.pairs + pairs, self.tokens + tokens
-        now = time.perf_counter()
-        elapsed = max(now - self.t0, 1e-9)
-        if self.bar is not None:
-            self.bar.set_postfix(tok_s=f"{self.tokens / elapsed:.0f}", refresh=False)
-            self.bar.update(pairs)
-        elif self.mode == "lines" and (self.first or now - self.shown >= self.EVERY_S or self.done >= self.total):
-            rate = self.pairs / elapsed
-            eta = (self.total - self.done) / rate if rate > 0 else math.inf
-            print(f"reference pass {self.done:>8,}/{self.total:,} pairs | {rate:.1f} pairs/s | "
-                  f"{self.tokens / elapsed:>8.0f} tok/s | eta {_fmt_time(eta)}", flush=True)
-            self.first, self.shown = False, now
+        pass
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _fmt_time(seconds: float) -> str:
-    """As the training loop's progress lines (run/monitor.py): m:ss or h:mm:ss."""
-    if not math.isfinite(seconds):
-        return "?"
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+        pass
 
 
 def _pairs_of(c: int, n: int) -> range:

@@ -73,8 +73,8 @@ class PreferenceTask(ChatTask):
             disable_dropout(model)
         return model
 
-    def attach(self, trainee, beat=None) -> None:
-        self.reference = pref_reference.attach(self, trainee, beat)
+    def attach(self, trainee, beat=None, progress=None) -> None:
+        self.reference = pref_reference.attach(self, trainee, beat, progress)
 
     def collate(self, dataset: units.UnitSet, indices) -> dict:
         groups = [dataset.unit_ids(int(i)) for i in indices]

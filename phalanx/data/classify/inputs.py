@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from phalanx.core.config import ConfigError
-from phalanx.data import pieces, readers, sources, store
+from phalanx.data import layout, pieces, readers, sources
 from phalanx.data.classify.store import EncodedSet
 
 
@@ -55,7 +55,7 @@ def encode(tokenizer, ex: Examples, max_length: int, chunk: int = 8192) -> Encod
             lengths.append(len(seq))
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return EncodedSet(_flat(ids, store.token_dtype(len(tokenizer))), _flat(types, np.uint8), offsets,
+    return EncodedSet(_flat(ids, layout.token_dtype(len(tokenizer))), _flat(types, np.uint8), offsets,
                       np.zeros(len(lengths), dtype=np.int64))
 
 

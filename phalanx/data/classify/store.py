@@ -18,7 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import pieces, prepare, readers, store
+from phalanx.data import layout, pieces, prepare, readers, store
 from phalanx.data.sources import Split, source_identity, splits
 
 
@@ -135,7 +135,7 @@ class ClassifyFormat(prepare.RecordFormat):
         out = np.lib.format.open_memmap(folder / "labels.npy", mode="w+", dtype=np.int64, shape=(rows,))
         row = 0
         for record in records:
-            codes = store.shard_array(folder, record, "codes")
+            codes = layout.shard_array(folder, record, "codes")
             classes = [lookup.get(value, -1) for value in record["labels"]]  # per code
             if -1 in classes:
                 code = classes.index(-1)
@@ -150,7 +150,7 @@ class ClassifyFormat(prepare.RecordFormat):
         return {"labels": names, **held}
 
     def open(self, cfg: Config, tok_dir: Path, folders: dict[str, Path]) -> ClassifyData:
-        names = store.read_index(folders["train"])["labels"]
+        names = layout.read_index(folders["train"])["labels"]
         train = EncodedSet.open(folders["train"])
         if "validation" in folders:
             return ClassifyData(tok_dir, names, train, EncodedSet.open(folders["validation"]))
@@ -192,7 +192,7 @@ def _first_seen(folder: Path, records: list[dict], rows: int) -> list[tuple]:
     """Distinct labels of the first `rows` rows in first-seen order, each with a function naming where."""
     seen: dict = {}
     for record in records:
-        codes = np.asarray(store.shard_array(folder, record, "codes")[:max(rows, 0)])
+        codes = np.asarray(layout.shard_array(folder, record, "codes")[:max(rows, 0)])
         rows -= len(codes)
         for code in dict.fromkeys(codes.tolist()):
             value = record["labels"][code]

@@ -1,6 +1,6 @@
 """Where a store's files are: a local folder, or (`data.store_url`) a prefix on object storage — or any
 fsspec URL or shared folder — with a local folder that stages what this node prepares and caches what it
-reads (shard_cache.py).
+reads (cache.py).
 
 On the remote side every object is written once and whole (a PUT is atomic; a local target is written to
 a temporary name and renamed): a shard's arrays, then its record (`<fp>.json`), the split-wide `*.npy`
@@ -25,7 +25,8 @@ import psutil
 
 from phalanx.core.errors import redact
 from phalanx.core.runfolder import write_json
-from phalanx.data import shard_cache, store
+from phalanx.data import layout
+from phalanx.data.remote import cache as shard_cache
 
 LEASE_S = 300.0  # a claim of another host older than this (not refreshed) is taken over: its node died
 
@@ -55,30 +56,30 @@ class Place:
     # ---- index --------------------------------------------------------------------------------------
     def read_index(self) -> dict | None:
         if not self.remote:
-            return store.read_index(self.local)
+            return layout.read_index(self.local)
         fs, root = self._fs()
         try:
-            return json.loads(fs.cat_file(f"{root}/{store.INDEX}"))
+            return json.loads(fs.cat_file(f"{root}/{layout.INDEX}"))
         except (FileNotFoundError, json.JSONDecodeError):
             return None
 
     def remove_index(self) -> None:
-        (self.local / store.INDEX).unlink(missing_ok=True)
+        (self.local / layout.INDEX).unlink(missing_ok=True)
         if self.remote:
             fs, root = self._fs()
             try:
-                fs.rm_file(f"{root}/{store.INDEX}")
+                fs.rm_file(f"{root}/{layout.INDEX}")
             except FileNotFoundError:
                 pass
 
     def write_index(self, index: dict) -> None:
         """The index, last; a node that finds another's (identical but for its times) keeps that one."""
-        path = self.local / store.INDEX
+        path = self.local / layout.INDEX
         write_json(path, index)
         if self.remote:
             fs, root = self._fs()
             try:
-                fs.pipe_file(f"{root}/{store.INDEX}", path.read_bytes(), mode="create")
+                fs.pipe_file(f"{root}/{layout.INDEX}", path.read_bytes(), mode="create")
             except FileExistsError:  # another node's, maybe still being written: readable within seconds
                 deadline = time.monotonic() + 60
                 while self.read_index() is None and time.monotonic() < deadline:
@@ -103,7 +104,7 @@ class Place:
         """A finished shard's record: its arrays all there with their sizes, the record written after them.
         Remote: looked up in a listing at most `max_age` seconds old, or (None) asked for directly."""
         if not self.remote:
-            return store.shard_record(self.local, fp)
+            return layout.shard_record(self.local, fp)
         fs, root = self._fs()
         if max_age is not None and f"{fp}.json" not in self.listing(max_age):
             return None
@@ -111,8 +112,8 @@ class Place:
             record = json.loads(fs.cat_file(f"{root}/{fp}.json"))
         except FileNotFoundError:
             return None
-        sizes = {n: self.listing(max_age).get(store.array_file(fp, n)) if max_age is not None else
-                 _size(fs, f"{root}/{store.array_file(fp, n)}") for n in store.arrays_of(record)}
+        sizes = {n: self.listing(max_age).get(layout.array_file(fp, n)) if max_age is not None else
+                 _size(fs, f"{root}/{layout.array_file(fp, n)}") for n in layout.arrays_of(record)}
         return record if sizes == array_sizes(record) else None
 
     def publish(self, record: dict) -> None:
@@ -121,12 +122,12 @@ class Place:
         if not self.remote:
             return
         fp, fs, root = record["fingerprint"], *self._fs()
-        per_token = {n for n, (_, per) in store.arrays_of(record).items() if per == "tokens"}
-        for name in store.arrays_of(record):
-            _put(fs, self.local / store.array_file(fp, name), f"{root}/{store.array_file(fp, name)}")
+        per_token = {n for n, (_, per) in layout.arrays_of(record).items() if per == "tokens"}
+        for name in layout.arrays_of(record):
+            _put(fs, self.local / layout.array_file(fp, name), f"{root}/{layout.array_file(fp, name)}")
         _put(fs, self.local / f"{fp}.json", f"{root}/{fp}.json")
         for name in per_token:
-            (self.local / store.array_file(fp, name)).unlink(missing_ok=True)
+            (self.local / layout.array_file(fp, name)).unlink(missing_ok=True)
 
     def localize_rows(self, records: list[dict]) -> None:
         """Every shard's per-row arrays and record in the local folder (those other nodes encoded)."""
@@ -134,8 +135,8 @@ class Place:
             return
         fs, root = self._fs()
         for r in records:
-            for name, (_, per) in store.arrays_of(r).items():
-                target = self.local / store.array_file(r["fingerprint"], name)
+            for name, (_, per) in layout.arrays_of(r).items():
+                target = self.local / layout.array_file(r["fingerprint"], name)
                 if per == "rows" and not target.exists():
                     shard_cache.fetch(fs, f"{root}/{target.name}", target, array_sizes(r)[name],
                                       r.get("sha256", {}).get(name))
@@ -199,7 +200,7 @@ class Place:
 
 def array_sizes(record: dict) -> dict[str, int]:
     """Bytes of each array file of a shard record."""
-    return {n: record[per] * np.dtype(dtype).itemsize for n, (dtype, per) in store.arrays_of(record).items()}
+    return {n: record[per] * np.dtype(dtype).itemsize for n, (dtype, per) in layout.arrays_of(record).items()}
 
 
 def _size(fs, path: str) -> int | None:
@@ -284,7 +285,7 @@ def fetch_folder(url: str, tmp: Path) -> None:
 def open_cached(place: Place, index: dict, limit_bytes: int) -> None:
     """Ready the node-local folder of a remote store for the workers: the index, every shard's record and
     per-row arrays and the split-wide files (kept: small, and read whole), and the marker with which
-    store.TokenStore maps the per-token arrays through the cache (shard_cache.py) as the order needs them."""
+    store.TokenStore maps the per-token arrays through the cache (cache.py) as the order needs them."""
     place.local.mkdir(parents=True, exist_ok=True)
     place.localize_rows(index["shards"])
     fs, root = place._fs()
@@ -295,18 +296,18 @@ def open_cached(place: Place, index: dict, limit_bytes: int) -> None:
     files = {}
     for r in index["shards"]:
         sizes = array_sizes(r)
-        for name, (_, per) in store.arrays_of(r).items():
+        for name, (_, per) in layout.arrays_of(r).items():
             if per == "tokens":
-                files[store.array_file(r["fingerprint"], name)] = (sizes[name], r.get("sha256", {}).get(name))
+                files[layout.array_file(r["fingerprint"], name)] = (sizes[name], r.get("sha256", {}).get(name))
     shard_cache.write_marker(place.local, place.url, limit_bytes, files)  # the URL redacted there, kept here
-    write_json(place.local / store.INDEX, index)
+    write_json(place.local / layout.INDEX, index)
 
 
 def lookahead_bytes(index: dict, shards: int) -> tuple[int, int]:
     """(bytes of the `shards` largest shards' per-token arrays, bytes kept whole: per-row and split-wide)."""
     sizes, kept = [], sum(size for size, _ in index.get("files", {}).values())
     for r in index["shards"]:
-        per = {n: p for n, (_, p) in store.arrays_of(r).items()}
+        per = {n: p for n, (_, p) in layout.arrays_of(r).items()}
         sizes.append(sum(b for n, b in array_sizes(r).items() if per[n] == "tokens"))
         kept += sum(b for n, b in array_sizes(r).items() if per[n] == "rows")
     return sum(sorted(sizes, reverse=True)[:shards]), kept

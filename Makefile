@@ -35,8 +35,8 @@ test-all: setup      ## every test, slow ones included
 bench: setup         ## foundation benchmark: phalanx vs a plain DDP loop
 	$(BIN)/python bench/vs_plain_ddp.py
 
-docs: setup         ## regenerate the README's config table from the schema
-	$(BIN)/python -c "import re,pathlib; from phalanx.core.config import describe_markdown as d; p=pathlib.Path('README.md'); s=p.read_text(); p.write_text(re.sub(r'(<!-- CONFIG-KEYS -->\n).*?(<!-- /CONFIG-KEYS -->)', lambda m: m.group(1)+chr(10).join(d())+chr(10)+m.group(2), s, flags=re.S))"
+docs: setup         ## regenerate docs/config.md's config table from the schema
+	$(BIN)/python -c "import re,pathlib; from phalanx.core.config import describe_markdown as d; p=pathlib.Path('docs/config.md'); s=p.read_text(); p.write_text(re.sub(r'(<!-- CONFIG-KEYS -->\n).*?(<!-- /CONFIG-KEYS -->)', lambda m: m.group(1)+chr(10).join(d())+chr(10)+m.group(2), s, flags=re.S))"
 
 image:               ## container image phalanx:<version> (CPU torch; CUDA: make image TORCH_INDEX=.../whl/cu128)
 	docker build -t $(IMAGE) --build-arg TORCH_INDEX=$(IMAGE_TORCH_INDEX) --build-arg TORCH_SPEC="$(TORCH_SPEC)" .

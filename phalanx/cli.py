@@ -147,7 +147,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]")
     p.add_argument("--show", action="store_true", help="list every config key with type, default and doc (with a "
                    "config or task=NAME: the keys that task reads)")
-    p.add_argument("--markdown", action="store_true", help="with --show: as a Markdown table (as in the README)")
+    p.add_argument("--markdown", action="store_true", help="with --show: as a Markdown table (as in docs/config.md)")
     p.set_defaults(func=cmd_config)
     for name, (module, help_text) in EXTRA_COMMANDS.items():
         p = sub.add_parser(name, help=help_text)

@@ -1,5 +1,6 @@
-"""The package's layers, as the README's import table states them, enforced by reading every module
-with `ast` (imports inside functions count too); and the modules that must stay torch-free."""
+"""The package's layers, as docs/architecture.md's import tables state them (the layers, and data/'s
+sub-packages), enforced by reading every module with `ast` (imports inside functions count too); and the modules
+that must stay torch-free."""
 from __future__ import annotations
 
 import ast
@@ -12,12 +13,16 @@ import pytest
 from conftest import REPO
 
 PACKAGE = REPO / "phalanx"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+def table_block(marker: str) -> str:
+    text = ARCHITECTURE.read_text()
+    return text[text.index(f"<!-- {marker} -->"):text.index(f"<!-- /{marker} -->")]
 
 
 def layer_table() -> dict[str, set[str]]:
-    text = (REPO / "README.md").read_text()
-    block = text[text.index("<!-- LAYERS -->"):text.index("<!-- /LAYERS -->")]
-    rows = re.findall(r"^\| `(\w+)` \| .*? \| (.*?) \|$", block, re.M)
+    rows = re.findall(r"^\| `(\w+)` \| .*? \| (.*?) \|$", table_block("LAYERS"), re.M)
     return {layer: set(re.findall(r"\w+", allowed)) for layer, allowed in rows}
 
 
@@ -119,6 +124,11 @@ def data_package(module: str) -> str:
 def data_back_imports(imports: list[tuple[str, str]]) -> list[str]:
     return [f"{a} ({data_package(a)}) imports {b} ({data_package(b)})" for a, b in imports
             if data_package(b) not in DATA_PACKAGES[data_package(a)]]
+
+
+def test_the_documented_data_table_is_the_tested_one():
+    rows = re.findall(r"^\| `([\w.]+)`[^|]*\| (.*?) \|$", table_block("DATA-PACKAGES"), re.M)
+    assert {package: set(re.findall(r"`([\w.]+)`", allowed)) for package, allowed in rows} == DATA_PACKAGES
 
 
 def test_data_sub_packages_import_one_way():

@@ -60,7 +60,7 @@ def test_even_run_names_no_straggler(even_run):
     assert summary["stragglers"] == []
     assert "straggler" not in proc.stdout
     # Recorded, not bounded here: with ~40 ms steps on a shared 2-core machine the gather's wait for a
-    # descheduled rank dominates; on the benchmark model it is 0.04-0.3% (see the README).
+    # descheduled rank dominates; on the benchmark model it was 0.04-0.3% when telemetry landed (d101deb).
     assert summary["metrics_overhead_pct"] >= 0 and summary["metrics_overhead_s"] >= 0
     assert summary["threads_per_process"] >= 1 and summary["host_peak_mb"] > 100
 

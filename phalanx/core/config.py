@@ -394,7 +394,7 @@ def describe(cls=Config, prefix: str = "", task: str | None = None) -> list[str]
 
 
 def describe_markdown(cls=Config, prefix: str = "") -> list[str]:
-    """The same as `describe`, as Markdown table rows (the README's config section is generated from it)."""
+    """The same as `describe`, as Markdown table rows (docs/config.md's key table is generated from it)."""
     rows = [] if prefix else ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):

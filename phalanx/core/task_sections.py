@@ -1,7 +1,7 @@
 """Each task's own config section: the keys only that task reads (its record format and fields, its
 loss), so that no key means two things. `template` is the chat template's, read alike by every task that
 renders conversations with it (chat, preference). The registry (core/registry.py) says which sections a
-task reads; `phalanx config --show TASK` prints those.
+task reads; `phalanx config task=TASK --show` prints those.
 """
 from __future__ import annotations
 

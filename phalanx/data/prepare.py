@@ -11,7 +11,8 @@
 A record format (`RecordFormat`) says what a store holds and how it is made: the fields each row must
 have, its per-token arrays (ids, and e.g. segment ids or a loss mask) and per-row arrays (e.g. lengths,
 labels), how one piece is encoded (in a pool worker), a finish step once every shard of a split exists
-(e.g. label names, a packing plan) and how the result is opened. lm_store.py and classify_store.py.
+(e.g. label names, a packing plan) and how the result is opened: lm_store.py, classify/store.py, and
+chat/store.py and pref/store.py over the store of units (units.py).
 """
 from __future__ import annotations
 

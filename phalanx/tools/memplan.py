@@ -63,8 +63,8 @@ rank's summary.json private_peak_mb/steps; bench/memory_phases.py, this 2-core C
                activation checkpointing, 477 M fsdp (2, accumulation 2); Llama 116 M ddp (3; 2 with
                accumulation 2), 272 M fsdp (3 with accumulation 2 in both modes; 4; LoRA at 2), 398 M fsdp
                (4, accumulation 2), 529 M fsdp (2, accumulation 2): each within 12%
-README's memory-plan table lists each with its plan / peak and command. The logits constants are read from
-model/head.py's code, not fitted; the runtime is the build phase's measure. Before the head ran in chunks
+docs/benchmarks.md's memory-plan table lists each with its plan / peak and command. The logits constants are
+read from model/head.py's code, not fitted; the runtime is the build phase's measure. Before the head ran in chunks
 (a 12 b s V term) and before fsdp reduced every micro-batch, the plan said 2.69 GB for a SmolLM2 LoRA run
 that peaked at 3.4-3.6 GB, and 1.80 GB for the 306 M GPT-2 with accumulation that peaked at 2.87 GB (issue
 31); the plan before this refit, on the runs above: 0.67-1.51 of their peaks.

@@ -430,7 +430,7 @@ def _visible_gpus() -> list[str]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("sweep", metavar="SWEEP.yaml", help="the sweep file (see the README's sweep section)")
+    p.add_argument("sweep", metavar="SWEEP.yaml", help="the sweep file (see docs/training.md, Sweeps)")
     p.add_argument("--parallel", type=int, default=None, help="trials at once (default: the file's parallel)")
     p.add_argument("--trials", type=int, default=None, help="trials in all (default: the file's trials)")
     p.add_argument("--out", default=None, help="sweep folder (default sweeps/<sweep file name>)")

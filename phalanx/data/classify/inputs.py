@@ -1,5 +1,5 @@
 """Texts to classify, held in memory: `phalanx predict`'s input file, read by the same checked readers as
-training data, and its encoding (training data is streamed into a store instead: classify_store.py).
+training data, and its encoding (training data is streamed into a store instead: store.py).
 """
 from __future__ import annotations
 

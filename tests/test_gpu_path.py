@@ -246,7 +246,7 @@ def test_tokens_are_counted_on_the_host_batch_before_the_copy(monkeypatch):
             return int(batch["input_ids"].numel())
 
         target_count = batch_tokens = count
-        step_counts, step_loss = TaskBase.step_counts, TaskBase.step_loss  # the loop's protocol, TaskBase's defaults
+        step_counts, step_loss, rollout = TaskBase.step_counts, TaskBase.step_loss, TaskBase.rollout  # TaskBase's
 
         def useful_tokens(self, batch):
             return self.count(batch) - 1

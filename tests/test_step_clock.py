@@ -208,3 +208,65 @@ def test_cpu_accounting_is_immediate_and_busy_is_step_minus_waits():
     assert rec["fwd_bwd_time_s"] == pytest.approx(marks.host_at(BACKWARD) - marks.host[2], rel=1e-5)
     # the loss read at the log step is the float32 loss exactly, as float(loss) per step gave it
     assert rec["loss"] * 4.0 == float(torch.tensor(0.1, dtype=torch.float32))
+
+
+def test_a_rollout_is_its_own_slice_of_the_step():
+    """A task's rollout (GRPO: generation) between collating and counting is timed apart: data keeps only the
+    collate, count and copy, and the five slices add up to the step; a step without one has rollout 0."""
+    from phalanx.run.clock import ROLLOUT, TAKEN
+
+    now = [0.0]
+    c = StepClock(clock=lambda: now[0])
+    c.start()
+    for kind, dt in ((TAKEN, 0.01), (ROLLOUT, 2.0), (DATA, 0.02), (SYNC, 0.001), (FORWARD, 0.3), (BACKWARD, 0.5)):
+        now[0] += dt
+        c.mark(kind)
+    now[0] += 0.1
+    t = split(*(lambda m: (m.kinds, m.host))(c.stop()))
+    assert t.rollout == pytest.approx(2.0) and t.data == pytest.approx(0.03)
+    assert t.data + t.rollout + t.sync + t.fwd_bwd + t.optimizer == pytest.approx(t.time)
+    tls, clocks = ranks([1.0], on_device=False)
+    assert split(*(lambda m: (m.kinds, m.host))(simulate_step(tls, clocks, [1.0])[0])).rollout == 0.0
+
+
+def test_the_step_trains_on_what_the_tasks_rollout_returns():
+    """The loop hands the task its collated micro-batches before counting them; the step counts and trains on
+    what the rollout returned (here: every batch doubled), and the rollout's beats reach the watchdog."""
+    from phalanx.core.config import Config
+    from phalanx.data.samplers import GlobalBatchSampler
+    from phalanx.model import precision
+    from phalanx.run import train as train_mod
+    from phalanx.run.batches import BatchSource
+    from phalanx.run.state import TrainState
+    from phalanx.tasks.base import TaskBase
+
+    class Task(TaskBase):
+        train_set = range(20)
+
+        def collate(self, dataset, indices):
+            return {"input_ids": torch.tensor([[float(i)] for i in indices]), "labels": torch.zeros(len(indices))}
+
+        def rollout(self, trainee, batches, step, beat=None):
+            beat(0)
+            return [{k: torch.cat([v, v]) for k, v in b.items()} for b in batches]
+
+        def loss_sum(self, model, batch):
+            return model(batch["input_ids"]).sum()
+
+        useful_tokens = TaskBase.batch_tokens
+
+    cfg = Config()
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = 8, 4
+    info = dist.DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, attempt=0,
+                         backend="gloo", device=torch.device("cpu"))
+    task, model, beats = Task(cfg, info), torch.nn.Linear(1, 1), []
+    tr = SimpleNamespace(model=model, wrapped=model, forward=model, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+                         schedule=SimpleNamespace(apply=lambda opt, step: 0.1),
+                         autocast=precision.autocast_factory(info.device, None),
+                         scaler=precision.make_scaler(info.device, None))
+    run = SimpleNamespace(cfg=cfg, info=info, probe=lambda *a: beats.append(a) or False, clock=StepClock(),
+                          batches=BatchSource(task, GlobalBatchSampler(20, 8, 4, 0), 0, 1, info.device, False))
+    r = train_mod.train_step(run, tr, task, TrainState(), votes=(False, False))
+    assert r.count == 16.0 and r.local_tokens == 16  # 2 micro-batches of 4, each doubled
+    assert any(len(a) == 3 and a[1] == train_mod.Phase.ROLLOUT and a[2] == 0 for a in beats)  # the task's beat
+    assert split(r.marks.kinds, r.marks.host).rollout >= 0 and "rollout" in r.marks.kinds

@@ -1,7 +1,8 @@
 """Step timing: where an optimizer step's time goes, on the host's clock or on the GPU's.
 
-The loop marks the boundaries of a step's phases: its start, data ready (collated, counted, copied),
-step-start sync done, the end of each micro-batch's forward and backward, optimizer done. Every mark
+The loop marks the boundaries of a step's phases: its start, data collated, the task's rollout done (where
+the task has one: GRPO generates and scores completions), data ready (counted, copied), step-start sync done,
+the end of each micro-batch's forward and backward, optimizer done. Every mark
 reads the host clock; on CUDA it also records an event on the current stream, whose timestamp is when
 the GPU *reached* that point of its queue. Kernels run asynchronously, so host clocks there only see
 launch times; the events see the work itself. Events are read in bulk (`read`), when a log window is
@@ -17,18 +18,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 # What each mark ends. FORWARD/BACKWARD repeat once per micro-batch, in that order.
-START, DATA, SYNC, FORWARD, BACKWARD, END = "start", "data", "sync", "forward", "backward", "end"
+START, TAKEN, ROLLOUT, DATA, SYNC, FORWARD, BACKWARD, END = ("start", "taken", "rollout", "data", "sync", "forward",
+                                                             "backward", "end")
 
 
 @dataclass(frozen=True)
 class StepTimes:
-    """One step's split, in seconds. data + sync + fwd_bwd + optimizer == time."""
+    """One step's split, in seconds. data + rollout + sync + fwd_bwd + optimizer == time."""
     time: float
     data: float
+    rollout: float      # the task's per-step work before the step's counts (GRPO: generation); 0 for most tasks
     sync: float
     fwd_bwd: float
     optimizer: float
-    # The step's segments that hold no collective under DDP: data, every micro-batch's forward, the
+    # The step's segments that hold no collective under DDP: data, the rollout, every micro-batch's forward, the
     # backward of all micro-batches but the last (no_sync: the gradient all-reduce runs in the last one),
     # the optimizer (clip + step on gradients already reduced). What a rank's own speed decides.
     local: float
@@ -36,14 +39,16 @@ class StepTimes:
 
 def split(kinds: list[str], stamps: list[float]) -> StepTimes:
     """The split of one step from its marks' kinds and times (seconds, any common origin)."""
-    at = {k: s for k, s in zip(kinds, stamps) if k in (START, DATA, SYNC, END)}
+    at = {k: s for k, s in zip(kinds, stamps) if k in (START, TAKEN, ROLLOUT, DATA, SYNC, END)}
+    rollout = at[ROLLOUT] - at[TAKEN] if ROLLOUT in at else 0.0  # inside the data segment, told apart
     spans = list(zip(kinds[1:], (b - a for a, b in zip(stamps, stamps[1:]))))  # (kind of the end mark, seconds)
     forward = sum(s for k, s in spans if k == FORWARD)
     backward = [s for k, s in spans if k == BACKWARD]
     last_backward = stamps[len(kinds) - 1 - kinds[::-1].index(BACKWARD)] if backward else at[SYNC]
-    data, optimizer = at[DATA] - at[START], at[END] - last_backward
-    return StepTimes(time=at[END] - at[START], data=data, sync=at[SYNC] - at[DATA], fwd_bwd=last_backward - at[SYNC],
-                     optimizer=optimizer, local=data + forward + sum(backward[:-1]) + optimizer)
+    data, optimizer = at[DATA] - at[START] - rollout, at[END] - last_backward
+    return StepTimes(time=at[END] - at[START], data=data, rollout=rollout, sync=at[SYNC] - at[DATA],
+                     fwd_bwd=last_backward - at[SYNC], optimizer=optimizer,
+                     local=data + rollout + forward + sum(backward[:-1]) + optimizer)
 
 
 @dataclass

@@ -19,13 +19,15 @@ collected: one synchronize per log window, none per step.
   data_time_s          CPU: collate + count + copy of this rank's micro-batches. CUDA: how long the GPU
                        waited for them: the part of that host work (prefetched on a thread) not hidden
                        behind the previous step's GPU work, plus the host-to-device copies
+  rollout_time_s       the task's own per-step work on the model before the step (GRPO: generating and
+                       scoring completions); 0 for tasks without one
   sync_time_s          the step-start scalar all-reduce (target count, stop votes), including waiting
                        there for slower ranks. CUDA: the part of it the GPU sat idle for
   fwd_bwd_time_s       forward + backward of all micro-batches, including the part of DDP's gradient
                        all-reduce that is not hidden behind backward (CUDA: on the GPU)
   optimizer_time_s     unscale, clip (the gradient-norm read is the step's one host wait), optimizer
                        step, zero_grad (CUDA: on the GPU, including its wait for the host's launches)
-  (these four add up to step_time_s, on either device)
+  (these five add up to step_time_s, on either device)
   comm_time_s          wall time during which a DDP gradient all-reduce was in flight (a comm hook that
                        does DDP's default averaging all-reduce and records launch and completion);
                        it overlaps backward, so it is not a fifth slice of the split
@@ -67,7 +69,7 @@ from phalanx.run.stragglers import StragglerDetector
 MB = 2 ** 20
 # Sums over a log window, per rank. loss: this rank's summed loss; targets/global_tokens/useful: the
 # step's all-reduced totals (equal on every rank); tokens: this rank's own.
-WINDOW = ("steps", "time", "data", "sync", "fwd_bwd", "optimizer", "comm", "comm_exposed", "busy",
+WINDOW = ("steps", "time", "data", "rollout", "sync", "fwd_bwd", "optimizer", "comm", "comm_exposed", "busy",
           "tokens", "samples", "loss", "targets", "global_tokens", "useful")
 READ_AHEAD = 32  # on CUDA, unread steps past this many are read where the GPU has finished them (no wait)
 RESOURCES = ("cpu_percent", "rss_mb", "host_peak_mb", "cuda_allocated_mb", "cuda_peak_mb")
@@ -231,7 +233,8 @@ class Telemetry:
         w = self.window
         for t, (_, (comm, exposed)) in zip(times, self.pending):
             busy = t.local if self.clock.on_device else t.time - t.sync - exposed
-            for key, value in (("time", t.time), ("data", t.data), ("sync", t.sync), ("fwd_bwd", t.fwd_bwd),
+            for key, value in (("time", t.time), ("data", t.data), ("rollout", t.rollout), ("sync", t.sync),
+                               ("fwd_bwd", t.fwd_bwd),
                                ("optimizer", t.optimizer), ("comm", comm), ("comm_exposed", exposed), ("busy", busy)):
                 w[key] += value
         del self.pending[:len(times)]
@@ -275,7 +278,8 @@ class Telemetry:
         rec = {"loss": sum(cols["loss"]) / cols["targets"][0], "tokens_per_s": global_tokens / wall,
                "step_time_s": wall / steps[0], "useful_tokens_per_s": useful / wall,
                "pad_fraction": 1 - useful / max(global_tokens, 1)}
-        rec.update({f"{k}_time_s": _r(statistics.fmean(per_step(k))) for k in ("data", "sync", "fwd_bwd", "optimizer")})
+        rec.update({f"{k}_time_s": _r(statistics.fmean(per_step(k)))
+                    for k in ("data", "rollout", "sync", "fwd_bwd", "optimizer")})
         if self.comm_measured:
             rec["comm_time_s"] = _r(statistics.fmean(per_step("comm")))
             rec["comm_exposed_time_s"] = _r(statistics.fmean(per_step("comm_exposed")))

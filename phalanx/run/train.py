@@ -41,7 +41,7 @@ from phalanx.model.lora import trainable_parameters
 from phalanx.model.optim import optimizer_impl
 from phalanx.run.batches import BatchSource
 from phalanx.run.checkpoint import CheckpointDict, Checkpointer, resolve_resume
-from phalanx.run.clock import BACKWARD, DATA, FORWARD, SYNC, StepClock, StepMarks
+from phalanx.run.clock import BACKWARD, DATA, FORWARD, ROLLOUT, SYNC, TAKEN, StepClock, StepMarks
 from phalanx.run.evaluate import evaluate
 from phalanx.run.memphases import PhasePeaks
 from phalanx.run.export import export_dtype, export_final
@@ -265,6 +265,10 @@ def train_step(run: Run, tr: Trainee, task, state: TrainState, votes: tuple[bool
     clock.start()
     run.probe(step, Phase.DATA)
     micro_ids, host = run.batches.take(state.samples_seen)
+    clock.mark(TAKEN)
+    run.probe(step, Phase.ROLLOUT)  # the task's work on the model first (GRPO: generate, score); most have none
+    host = task.rollout(tr, host, step, beat=lambda k: run.probe(step, Phase.ROLLOUT, k))
+    clock.mark(ROLLOUT)
     # Counted on the host batches: a count read from the GPU would wait for everything queued there.
     counts = [sum(c) for c in zip(*(task.step_counts(b) for b in host))]
     local = [sum(task.batch_tokens(b) for b in host), sum(task.useful_tokens(b) for b in host)]

@@ -31,6 +31,8 @@ class Phase(str, Enum):  # not StrEnum: that is Python 3.11+, the floor is 3.10
     REFERENCE = "reference"                     # step -1 only: the precomputed reference pass of preference
                                                 # tuning, one beat per micro-batch (after start-up, before step 0)
     DATA = "data"                               # this rank's micro-batches are read and collated
+    ROLLOUT = "rollout"                         # the task's per-step work on the model (GRPO: generation),
+                                                # one beat per unit of it
     SYNC = "sync"                               # the step's one-vector all-reduce (counts, stop votes)
     FORWARD = "forward"
     BACKWARD = "backward"

@@ -39,6 +39,9 @@ class Task(Protocol):
     # once the model is built, before a checkpoint is loaded; beat(k): the hang watchdog; progress: a display
     def attach(self, trainee, beat=None, progress=None) -> None: ...
     def collate(self, dataset, indices) -> dict: ...
+    # this rank's host micro-batches of a step, before they are counted: the task's work on the model (GRPO:
+    # generate and score completions) gives the batches the step trains on
+    def rollout(self, trainee, batches: list[dict], step: int, beat=None) -> list[dict]: ...
     def batch_tokens(self, batch: dict) -> int: ...
     def useful_tokens(self, batch: dict) -> int: ...
     # a training step: counts summed over the global batch (one all-reduce), then each micro-batch's part of
@@ -109,6 +112,13 @@ class TaskBase:
         done)`, if given (the main rank), makes its progress display (run/monitor.PassProgress)."""
 
     # ---- the training step ------------------------------------------------------------------
+    def rollout(self, trainee, batches: list[dict], step: int, beat=None) -> list[dict]:
+        """This rank's host micro-batches of step `step` as the step trains on them: most tasks train on what
+        collate gave. A task that works on the model first (GRPO: generation, rewards) returns new batches
+        (on the host: the loop counts and copies them), calling `beat(k)` per unit of its work (the hang
+        watchdog); the loop times it as the step's rollout."""
+        return batches
+
     def step_counts(self, batch: dict) -> list[float]:
         """This micro-batch's counts that normalise the loss, counted on the host; the loop sums them over
         the global batch in the step's one all-reduce. Here: its targets."""

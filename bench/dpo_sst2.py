@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -49,9 +50,17 @@ def write_data(work: Path, n_sft: int, n_dpo: int) -> list[tuple[str, int]]:
     return [(r["text"], r["label"]) for r in map(json.loads, (SST2 / "validation.jsonl").read_text().splitlines())]
 
 
-def accuracy(final: Path, val: list[tuple[str, int]]) -> tuple[float, float]:
-    """Greedy replies (up to 4 new tokens) with the saved chat template: (right = the reply starts with the
-    label word, off = it starts with neither word), as fractions of the sentences."""
+def first_word(reply: str) -> int | None:
+    """The label (an index of WORDS) of the first label word in a reply, in any case; None: neither is there."""
+    found = [(m.start(), k) for k, w in enumerate(WORDS) if (m := re.search(rf"\b{w}\b", reply, re.I))]
+    return min(found)[1] if found else None
+
+
+def accuracy(final: Path, val: list[tuple[str, int]], max_new_tokens: int = 4,
+             anywhere: bool = False) -> tuple[float, float]:
+    """Greedy replies (up to `max_new_tokens` new tokens) with the saved chat template: (right = the reply starts
+    with the label word, off = it starts with neither word), as fractions of the sentences. `anywhere`: the
+    reply's first label word counts, wherever it stands (a model that answers in sentences)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -68,11 +77,14 @@ def accuracy(final: Path, val: list[tuple[str, int]]) -> tuple[float, float]:
         inputs = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
         with torch.no_grad():
-            out = model.generate(inputs, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=pad)
+            out = model.generate(inputs, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=pad)
         for (_, label), row in zip(batch, out[:, width:]):
             reply = tok.decode(row, skip_special_tokens=True).strip()
-            right += reply.startswith(WORDS[label])
-            off += not reply.startswith(WORDS)
+            said = first_word(reply) if anywhere else next((k for k, w in enumerate(WORDS) if reply.startswith(w)),
+                                                           None)
+            right += said == label
+            off += said is None
     return right / len(val), off / len(val)
 
 

@@ -9,7 +9,10 @@ the wall time at the end of the step and the tokens (all, and non-padding) of th
 bench computes useful tokens/s from wall clocks exactly as for phalanx.
 
 Everything not listed under "same math" stays at the Trainer's defaults (sampling, optimizer, clipping);
-`--group` sets train_sampling_strategy="group_by_length".
+`--group` sets train_sampling_strategy="group_by_length". `--pretrained` starts from --final's weights (a real
+model; a classification head the checkpoint lacks is initialised by transformers, as it says), `--seed` sets
+the Trainer's seed, and `--eval FILE` (classify) has rank 0 score FILE after training: accuracy to
+--out-eval.json.
 """
 from __future__ import annotations
 
@@ -102,6 +105,9 @@ def main() -> None:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--beta2", type=float, default=0.999)
     p.add_argument("--group", action="store_true", help="train_sampling_strategy=group_by_length")
+    p.add_argument("--pretrained", action="store_true", help="start from --final's weights (else a fresh init)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--eval", default="", help="classify: score this file after training (rank 0)")
     p.add_argument("--out", required=True, help="prefix of the per-rank step files")
     p.add_argument("--work", required=True)
     a = p.parse_args()
@@ -110,7 +116,7 @@ def main() -> None:
         gradient_accumulation_steps=a.accum, learning_rate=a.lr, warmup_steps=a.warmup,
         weight_decay=a.weight_decay, adam_beta2=a.beta2, logging_steps=10_000, save_strategy="no",
         report_to=[], disable_tqdm=True, ddp_backend="gloo", use_cpu=not torch.cuda.is_available(),
-        train_sampling_strategy="group_by_length" if a.group else "random", seed=1337)
+        train_sampling_strategy="group_by_length" if a.group else "random", seed=a.seed)
     tok = AutoTokenizer.from_pretrained(a.final)
     config = AutoConfig.from_pretrained(a.final)
     with args.main_process_first():  # rank 0 writes the datasets cache, the others read it (the recipe)
@@ -119,11 +125,28 @@ def main() -> None:
         else:
             data, collate = lm_data(tok, a.data, a.block)
     auto = AutoModelForSequenceClassification if a.task == "classify" else AutoModelForCausalLM
-    model = auto.from_config(config)
+    labels = {"num_labels": len(set(data["labels"]))} if a.task == "classify" else {}
+    model = auto.from_pretrained(a.final, **labels) if a.pretrained else auto.from_config(config)
     collator = CountingCollator(collate)
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
     trainer.add_callback(StepClock(collator, a.accum, f"{a.out}-{args.process_index}.jsonl"))
     trainer.train()
+    if a.eval and trainer.is_world_process_zero():
+        evaluate(model, tok, a.eval, a.max_length, f"{a.out}-eval.json")
+
+
+@torch.no_grad()
+def evaluate(model, tok, path: str, max_length: int, out: str) -> None:
+    """Accuracy of the trained classifier on every row of `path` (text, label), batches of 64."""
+    data, collate = classification_data(tok, path, 10**9, max_length)
+    model.eval()
+    right = 0
+    for lo in range(0, len(data), 64):
+        batch = collate([data[i] for i in range(lo, min(lo + 64, len(data)))])
+        labels = batch.pop("labels")
+        right += int((model(**batch).logits.argmax(-1) == labels).sum())
+    with open(out, "w") as f:
+        json.dump({"accuracy": right / len(data), "samples": len(data)}, f)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ packing   TRL's packing (best-fit decreasing, padding-free: one flat row per mic
           micro-batch the same as the conversation alone? TRL documents packing for FlashAttention and
           warns of cross-contamination otherwise; here the model uses SDPA. Negative control: the same
           packed row with position ids 0..n-1 (no restart), which must differ.
-mask      TRL's assistant_only_loss labels (from the template's {% generation %} markers) vs phalanx's
-          character-offset mask (phalanx.data.chat.encode.ChatEncoder), conversation by conversation, and the
-          token ids of both renderings.
+mask      TRL's assistant_only_loss labels (from the template's {% generation %} markers; with TRL's
+          conversational prompt-completion data, its completion-only labels) vs phalanx's character-offset
+          mask (phalanx.data.chat.encode.ChatEncoder), conversation by conversation, and the token ids of both
+          renderings.
 reference the first-step batch's losses computed directly (each conversation alone, fp32 forward, sums
           in float64): mean over phalanx's supervised tokens, and over all predicted tokens.
 """
@@ -34,8 +35,10 @@ def encode_one(tok, messages: list[dict], max_length: int) -> Encoded | None:
 
 
 def trainer(base: str, data, max_length: int, packing: bool, work: str) -> SFTTrainer:
+    """assistant_only_loss for messages data; prompt-completion data takes TRL's default, completion-only loss."""
     args = SFTConfig(output_dir=work, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to=[],
-                     max_length=max_length, packing=packing, assistant_only_loss=True, per_device_train_batch_size=2)
+                     max_length=max_length, packing=packing, assistant_only_loss="messages" in data.column_names,
+                     per_device_train_batch_size=2)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     return SFTTrainer(model=model, args=args, train_dataset=data, processing_class=AutoTokenizer.from_pretrained(base))
 
@@ -88,7 +91,8 @@ def mask_check(base: str, data, max_length: int, work: str) -> dict:
     ids_differ = mask_differ = tokens_differ = supervised = total = 0
     lengths = []
     for record, row in zip(data, tr.train_dataset):
-        enc = encode_one(tok, record["messages"], max_length)
+        messages = record["messages"] if "messages" in record else record["prompt"] + record["completion"]
+        enc = encode_one(tok, messages, max_length)
         trl_mask = np.asarray(row["labels"]) != -100
         lengths.append(len(enc.ids))
         if len(enc.ids) != len(row["input_ids"]) or (enc.ids != np.asarray(row["input_ids"])).any():
@@ -125,18 +129,24 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--base", required=True)
     p.add_argument("--data", required=True, help="all training conversations (JSONL)")
-    p.add_argument("--first", required=True, help="the first-step batch (JSONL)")
+    p.add_argument("--first", default="", help="the first-step batch (JSONL; needed by the reference part)")
+    p.add_argument("--parts", default="packing,mask,reference", help="which checks to run")
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--pack-examples", type=int, default=64, help="conversations in the packing check")
     p.add_argument("--work", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    parts = a.parts.split(",")
     data = load_dataset("json", data_files=a.data, split="train")
-    first = load_dataset("json", data_files=a.first, split="train")
-    out = {"packing": packing_check(a.base, data.select(range(a.pack_examples)), a.max_length, a.work),
-           "mask": mask_check(a.base, data, a.max_length, a.work),
-           "reference": reference(a.base, first, a.max_length),
-           "first_trl_packed_rows": len(trainer(a.base, first, a.max_length, True, a.work).train_dataset)}
+    out = {}
+    if "packing" in parts:
+        out["packing"] = packing_check(a.base, data.select(range(a.pack_examples)), a.max_length, a.work)
+    if "mask" in parts:
+        out["mask"] = mask_check(a.base, data, a.max_length, a.work)
+    if "reference" in parts:
+        first = load_dataset("json", data_files=a.first, split="train")
+        out["reference"] = reference(a.base, first, a.max_length)
+        out["first_trl_packed_rows"] = len(trainer(a.base, first, a.max_length, True, a.work).train_dataset)
     with open(a.out, "w") as f:
         json.dump(out, f)
 

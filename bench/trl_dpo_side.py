@@ -6,7 +6,8 @@ not set below stays at TRL's defaults; the bench sets what must match phalanx (A
 warm-up + cosine to min_lr_ratio, clip 1.0, max_length, fp32, micro-batch and accumulation, beta, the loss)
 and the case's switches: --precompute (precompute_ref_log_probs: no reference forward per step), --gc
 on|off|default (gradient checkpointing; TRL's default is on), --lora R (peft LoRA: the reference is the
-model with its adapters off), --sft-weight (loss_type [sigmoid, sft] with weights [1, w]).
+model with its adapters off), --sft-weight (loss_type [sigmoid, sft] with weights [1, w]), --seed, --save DIR
+(rank 0 writes the trained model, LoRA merged, and the tokenizer: plain transformers loads it).
 
 Each rank writes --out-RANK.jsonl: one line per optimizer step (wall time at its end; the slots and real
 tokens of the micro-batches it consumed, counted on the collated batches: chosen and rejected rows), one line
@@ -101,6 +102,8 @@ def main() -> None:
     p.add_argument("--precompute", action="store_true", help="precompute_ref_log_probs=True")
     p.add_argument("--gc", choices=["default", "on", "off"], default="default")
     p.add_argument("--lora", type=int, default=0, help="peft LoRA rank (0 = full fine-tuning)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--save", default="", help="write the trained model (LoRA merged) and tokenizer here")
     p.add_argument("--out", required=True)
     p.add_argument("--work", required=True)
     a = p.parse_args()
@@ -111,7 +114,7 @@ def main() -> None:
         gradient_accumulation_steps=a.accum, learning_rate=a.lr, warmup_steps=a.warmup,
         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": a.min_lr_ratio},
         weight_decay=a.weight_decay, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, bf16=False,
-        use_cpu=not torch.cuda.is_available(), ddp_backend="gloo", seed=1337, max_length=a.max_length, beta=a.beta,
+        use_cpu=not torch.cuda.is_available(), ddp_backend="gloo", seed=a.seed, max_length=a.max_length, beta=a.beta,
         precompute_ref_log_probs=a.precompute, logging_steps=10_000, save_strategy="no", report_to=[],
         disable_tqdm=True, **gc, **loss)
     tok = AutoTokenizer.from_pretrained(a.base)
@@ -128,6 +131,10 @@ def main() -> None:
     trainer.data_collator = collator = CountingCollator(trainer.data_collator)
     trainer.add_callback(StepClock(trainer, collator, a.accum, f"{a.out}-{args.process_index}.jsonl"))
     trainer.train()
+    if a.save and trainer.is_world_process_zero():
+        trained = trainer.model.merge_and_unload() if a.lora else trainer.model
+        trained.save_pretrained(a.save)
+        tok.save_pretrained(a.save)
 
 
 if __name__ == "__main__":

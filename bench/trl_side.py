@@ -2,12 +2,15 @@
 
 Model and tokenizer from --base (a GPT-2 saved with save_pretrained whose tokenizer already carries
 phalanx's ChatML template with {% generation %} markers: both sides render and mask with the same
-template), conversations from --data (messages format). Everything not set below stays at TRL's defaults;
-the bench sets what must match phalanx (AdamW lr/betas/weight decay, warm-up + cosine to min_lr_ratio,
-clip 1.0, max_length = phalanx's block size, fp32, micro-batch and accumulation) and the case's switches:
---assistant-only (assistant_only_loss), --packing (TRL's best-fit-decreasing packing, padding-free),
---group (train_sampling_strategy="group_by_length"), --gc on|off|default (gradient checkpointing; TRL's
-default is on).
+template; or a real model with its own template), conversations from --data (messages format, or TRL's
+conversational prompt-completion format: then the loss is on the completion, TRL's default for it).
+Everything not set below stays at TRL's defaults; the bench sets what must match phalanx (AdamW lr/betas/
+weight decay, warm-up + cosine to min_lr_ratio, clip 1.0, max_length = phalanx's block size, fp32,
+micro-batch and accumulation) and the case's switches: --assistant-only (assistant_only_loss), --packing
+(TRL's best-fit-decreasing packing, padding-free), --group (train_sampling_strategy="group_by_length"),
+--gc on|off|default (gradient checkpointing; TRL's default is on), --lora R (a peft LoraConfig with r=R,
+--lora-alpha, --lora-dropout, every linear layer but the head: phalanx's model.lora defaults), --seed,
+--save DIR (rank 0 writes the trained model, LoRA merged, and the tokenizer: plain transformers loads it).
 
 Each rank writes --out-RANK.jsonl: one line per optimizer step (wall time at its end; the tokens, real
 tokens and supervised tokens of the micro-batches it consumed, counted on the collated batches), one line
@@ -121,6 +124,11 @@ def main() -> None:
     p.add_argument("--packing", action="store_true", help="packing=True (TRL's bfd: padding-free)")
     p.add_argument("--group", action="store_true", help="train_sampling_strategy=group_by_length")
     p.add_argument("--gc", choices=["default", "on", "off"], default="default", help="gradient checkpointing")
+    p.add_argument("--lora", type=int, default=0, help="peft LoRA rank (0 = full fine-tuning)")
+    p.add_argument("--lora-alpha", type=float, default=16.0)
+    p.add_argument("--lora-dropout", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--save", default="", help="write the trained model (LoRA merged) and tokenizer here")
     p.add_argument("--log-every", type=int, default=10_000, help="TRL's logging_steps")
     p.add_argument("--out", required=True, help="prefix of the per-rank step files")
     p.add_argument("--work", required=True)
@@ -131,18 +139,28 @@ def main() -> None:
         gradient_accumulation_steps=a.accum, learning_rate=a.lr, warmup_steps=a.warmup,
         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": a.min_lr_ratio},
         weight_decay=a.weight_decay, adam_beta1=a.beta1, adam_beta2=a.beta2, max_grad_norm=1.0,
-        bf16=False, use_cpu=not torch.cuda.is_available(), ddp_backend="gloo", seed=1337,
+        bf16=False, use_cpu=not torch.cuda.is_available(), ddp_backend="gloo", seed=a.seed,
         max_length=a.max_length, assistant_only_loss=a.assistant_only, packing=a.packing,
         train_sampling_strategy="group_by_length" if a.group else "random",
         logging_steps=a.log_every, save_strategy="no", report_to=[], disable_tqdm=True, **gc)
     tok = AutoTokenizer.from_pretrained(a.base)
     model = AutoModelForCausalLM.from_pretrained(a.base, dtype=torch.float32)
     data = load_dataset("json", data_files=a.data, split="train")
-    trainer = ProbedSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+    peft = None
+    if a.lora:
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=a.lora, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
+                          target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = ProbedSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok, peft_config=peft)
     trainer.probes = []
     trainer.data_collator = collator = CountingCollator(trainer.data_collator)
     trainer.add_callback(StepClock(trainer, collator, a.accum, f"{a.out}-{args.process_index}.jsonl"))
     trainer.train()
+    if a.save and trainer.is_world_process_zero():
+        trained = trainer.model.merge_and_unload() if a.lora else trainer.model
+        trained.save_pretrained(a.save)
+        tok.save_pretrained(a.save)
 
 
 if __name__ == "__main__":

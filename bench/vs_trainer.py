@@ -84,9 +84,11 @@ def trainer_rate(prefix: Path, nproc: int, warmup: int) -> dict:
 
 def run_side(side: str, task: str, spec: dict, data: dict, work: Path, final: Path, nproc: int, warmup: int,
              k: int) -> dict:
+    """One run of `side`; spec's optional "phalanx_extra" / "trainer_extra" are appended to that side's command."""
     out = work / f"{task}-{side}-{k}"
     if side.startswith("phalanx"):
         extra = ["log.telemetry=false"] if side == "phalanx-telem-off" else []
+        extra += spec.get("phalanx_extra", [])
         run(phalanx_cmd(task, spec, data, work / "cache", out, spec["steps"], nproc, extra))
         return phalanx_rate(out, warmup)
     accum = spec["global"] // (spec["micro"] * nproc)
@@ -95,7 +97,8 @@ def run_side(side: str, task: str, spec: dict, data: dict, work: Path, final: Pa
            "--data", data["trainer"], "--micro", str(spec["micro"]), "--accum", str(accum),
            "--steps", str(spec["steps"]), "--lr", str(spec["lr"]), "--warmup", str(spec["warmup"]),
            "--weight-decay", str(spec["weight_decay"]), "--beta2", str(spec["beta2"]),
-           "--out", str(out), "--work", str(work / "trainer-out"), *(["--group"] if side == "trainer-grouped" else [])]
+           "--out", str(out), "--work", str(work / "trainer-out"), *(["--group"] if side == "trainer-grouped" else []),
+           *spec.get("trainer_extra", [])]
     run(cmd)
     return trainer_rate(out, nproc, warmup)
 

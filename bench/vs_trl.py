@@ -75,6 +75,7 @@ def run_side(side: str, spec: dict, s: dict, a, k: int) -> dict:
         rss = run(trl_cmd(s, out, a.steps, spec["micro"], ACCUM, NPROC, spec["extra"]), Path(f"{out}.log"), s["work"])
         r = trl_rate(out, NPROC, a.warmup)
     r["rss_mb"] = [rss.get(rank, float("nan")) for rank in range(NPROC)]
+    r["private_mb"] = [rss.private.get(rank, float("nan")) for rank in range(NPROC)]
     if r["world"] != NPROC:
         raise SystemExit(f"{side} ran with world size {r['world']}, not {NPROC}")
     return r
@@ -83,7 +84,8 @@ def run_side(side: str, spec: dict, s: dict, a, k: int) -> dict:
 def median_of(runs: list[dict]) -> dict:
     keys = ("useful_tps", "supervised_tps", "step_s", "efficiency", "tokens_per_step")
     med = {m: statistics.median(r[m] for r in runs) for m in keys}
-    med["rss_mb"] = [statistics.median(r["rss_mb"][i] for r in runs) for i in range(NPROC)]
+    for mem in ("rss_mb", "private_mb"):
+        med[mem] = [statistics.median(r[mem][i] for r in runs) for i in range(NPROC)]
     med["split"] = {m: statistics.median(r["split"][m] for r in runs) for m in runs[0].get("split", {})}
     return {**runs[-1], **med}
 
@@ -98,7 +100,7 @@ def print_main(med: dict, results: dict) -> None:
               f"| {m['precision']} | {m['attn']} | {'on' if m['gc'] else 'off'} | {m['world']} |")
 
 
-def print_ratios(med: dict, results: dict, same: str) -> None:
+def print_ratios(med: dict, results: dict, same: str, defaults_loss: str = "TRL's loss covers every token") -> None:
     """Ratios of medians, and paired: the median over repeats of the ratio within each repeat (the two
     sides of a repeat ran minutes apart, so a drifting shared machine moves both)."""
     print("\n| ratio (phalanx / TRL) | of medians | paired (per repeat) | target |\n|---|---|---|---|")
@@ -110,7 +112,7 @@ def print_ratios(med: dict, results: dict, same: str) -> None:
                   f"({', '.join(f'{v:.2f}' for v in pairs)}) | {f'>= {target}x' if target else ''} |")
 
     row("defaults: phalanx / trl-defaults, useful tok/s", "phalanx", "trl-defaults", "useful_tps", TARGETS["defaults"])
-    row("defaults: supervised tok/s (TRL's loss covers every token)", "phalanx", "trl-defaults", "supervised_tps")
+    row(f"defaults: supervised tok/s ({defaults_loss})", "phalanx", "trl-defaults", "supervised_tps")
     row(f"same math: phalanx / trl-same ({same}), useful tok/s", "phalanx", "trl-same", "useful_tps", TARGETS["same"])
     row("same math: supervised tok/s", "phalanx", "trl-same", "supervised_tps")
     row("padded same math: phalanx-padded / trl-grouped, useful tok/s", "phalanx-padded", "trl-grouped", "useful_tps")

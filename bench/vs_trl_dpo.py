@@ -167,8 +167,10 @@ def trl_rate(prefix: Path, warmup: int) -> dict:
 
 
 # ---- the three parts -------------------------------------------------------------------------------------
-def first_step(s: dict) -> None:
-    ref = float64_first(s["base"], s["first"], 1.0)
+def first_step(s: dict, sft: float = 1.0) -> None:
+    """Step 1 of each side on the first PAIRS pairs, DPO sigmoid + `sft` x NLL of the chosen replies (0: plain
+    DPO, log 2 with the policy its own reference), against float64_first."""
+    ref = float64_first(s["base"], s["first"], sft)
     run([sys.executable, "-m", "phalanx", "prepare", "task=preference", f"model.pretrained={s['base']}",
          f"data.train={s['first']}", "data.val_fraction=0", f"data.cache_dir={s['work'] / 'cache'}",
          f"model.block_size={BLOCK}", "--quiet"], s["work"] / "first-prepare.log", s["work"])
@@ -176,19 +178,19 @@ def first_step(s: dict) -> None:
     cases = [("phalanx, packed, 1 process", "phalanx", 1, rows, rows, []),
              ("phalanx, padded, 1 process", "phalanx", 1, PAIRS, PAIRS, ["data.packing=false"]),
              ("phalanx, padded, 2 processes x accumulation 2", "phalanx", 2, PAIRS // 4, PAIRS, ["data.packing=false"]),
-             ("TRL DPOTrainer [sigmoid, sft], 1 process", "trl", 1, PAIRS, 1, [])]
-    print(f"\n### First-step loss: one global batch = the first {PAIRS} pairs, DPO sigmoid + 1.0 x NLL of the chosen "
-          f"replies ({ref['chosen_tokens']} target tokens)\n\n| run | step-1 loss | float64 reference | difference |\n"
-          "|---|---|---|---|")
+             (f"TRL DPOTrainer{' [sigmoid, sft]' if sft else ''}, 1 process", "trl", 1, PAIRS, 1, [])]
+    print(f"\n### First-step loss: one global batch = the first {PAIRS} pairs, DPO sigmoid + {sft:g} x NLL of the "
+          f"chosen replies ({ref['chosen_tokens']} target tokens)\n\n| run | step-1 loss | float64 reference | "
+          "difference |\n|---|---|---|---|")
     for k, (name, tool, nproc, micro, size, extra) in enumerate(cases):
         out = s["work"] / f"first-{k}"
         if tool == "phalanx":
-            run(phalanx_cmd(s, out, 1, micro, size, nproc, s["first"], ["preference.sft_weight=1.0", *extra]),
+            run(phalanx_cmd(s, out, 1, micro, size, nproc, s["first"], [f"preference.sft_weight={sft}", *extra]),
                 Path(f"{out}.log"), s["work"])
             loss = next(json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()
                         if '"loss"' in x)
         else:
-            run(trl_cmd(s, out, 1, micro, size, nproc, s["first"], ["--sft-weight", "1.0", "--gc", "off"]),
+            run(trl_cmd(s, out, 1, micro, size, nproc, s["first"], ["--sft-weight", str(sft), "--gc", "off"]),
                 Path(f"{out}.log"), s["work"])
             loss = next(json.loads(x)["loss"] for x in Path(f"{out}-0.jsonl").read_text().splitlines() if '"call"' in x)
         print(f"| {name} | {loss:.7f} | {ref['loss']:.7f} | {loss - ref['loss']:+.1e} |")

@@ -27,13 +27,22 @@ def env(work: Path) -> dict:
             "PYTHONWARNINGS": "ignore::FutureWarning"}
 
 
+class Peaks(dict):
+    """Peak RSS (VmHWM) in MB of each rank; `.private`: the peak of its sampled RssAnon (private memory), MB."""
+
+    def __init__(self, hwm: dict, private: dict):
+        super().__init__(hwm)
+        self.private = private
+
+
 class PeakRss(threading.Thread):
-    """Peak RSS (VmHWM) of each rank process under `pid`: a process with LOCAL_RANK in its environment whose
-    parent has none (the workers of torchrun and of phalanx's elastic agent)."""
+    """Peak RSS (VmHWM) and sampled peak private memory (RssAnon) of each rank process under `pid`: a process
+    with LOCAL_RANK in its environment whose parent has none (the workers of torchrun and of phalanx's elastic
+    agent)."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
-        self.pid, self.done, self.kind, self.peak = pid, threading.Event(), {}, {}
+        self.pid, self.done, self.kind, self.peak, self.private = pid, threading.Event(), {}, {}, {}
 
     def run(self) -> None:
         while not self.done.wait(0.2):
@@ -67,10 +76,13 @@ class PeakRss(threading.Thread):
             hwm = re.search(r"VmHWM:\s+(\d+) kB", status)  # absent once the process is a zombie
             if hwm:
                 self.peak[rank] = max(self.peak.get(rank, 0.0), int(hwm.group(1)) / 1024)
+            anon = re.search(r"RssAnon:\s+(\d+) kB", status)
+            if anon:
+                self.private[rank] = max(self.private.get(rank, 0.0), int(anon.group(1)) / 1024)
 
 
-def run(cmd: list[str], log: Path, work: Path, timeout: float = 900) -> dict[int, float]:
-    """Run `cmd` (output to `log`); returns the peak RSS in MB of each rank."""
+def run(cmd: list[str], log: Path, work: Path, timeout: float = 900) -> Peaks:
+    """Run `cmd` (output to `log`); returns the peak RSS in MB of each rank (and `.private`, RssAnon)."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env(work),
                                 start_new_session=True)
@@ -85,7 +97,7 @@ def run(cmd: list[str], log: Path, work: Path, timeout: float = 900) -> dict[int
         sampler.join()
     if code:
         raise SystemExit(f"failed ({code}): {' '.join(map(str, cmd))}\n{log.read_text()[-3000:]}")
-    return sampler.peak
+    return Peaks(sampler.peak, sampler.private)
 
 
 def data_args(s: dict, data: Path | None, extra) -> list[str]:
@@ -121,9 +133,12 @@ def phalanx_cmd(s: dict, out: Path, steps: int, micro: int, global_batch: int, n
 
 def trl_cmd(s: dict, out: Path, steps: int, micro: int, accum: int, nproc: int, extra=(), data: Path | None = None,
             log_every: int = 10_000) -> list[str]:
+    """TRL's side; s["trl_base"] and s["trl_train"], where set, replace s["base"] and s["train"] (a GGUF base that
+    phalanx reads itself, data in TRL's prompt-completion format)."""
     o = OPTIM
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            str(REPO / "bench" / "trl_side.py"), "--base", str(s["base"]), "--data", str(data or s["train"]),
+            str(REPO / "bench" / "trl_side.py"), "--base", str(s.get("trl_base", s["base"])),
+            "--data", str(data or s.get("trl_train", s["train"])),
             "--max-length", str(BLOCK), "--micro", str(micro), "--accum", str(accum), "--steps", str(steps),
             "--lr", str(o["lr"]), "--warmup", str(o["warmup"]), "--min-lr-ratio", str(o["min_lr_ratio"]),
             "--weight-decay", str(o["weight_decay"]), "--beta1", str(o["beta1"]), "--beta2", str(o["beta2"]),

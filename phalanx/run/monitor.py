@@ -87,15 +87,7 @@ class PassProgress:
 
 
 def _fmt_time(seconds: float) -> str:
-    """As the training loop's progress lines (run/monitor.py): m:ss or h:mm:ss."""
-    if not math.isfinite(seconds):
-        return "?"
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
-
-
-def _fmt_time(seconds: float) -> str:
+    """An eta in the progress lines: m:ss or h:mm:ss."""
     if not math.isfinite(seconds):
         return "?"
     m, s = divmod(int(seconds), 60)

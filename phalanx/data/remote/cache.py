@@ -61,25 +61,25 @@ def fetch(fs, remote: str, local: Path, size: int, sha256: str | None) -> None:
             raise
         except Exception as e:  # the network's: retried
             errors += 1
-            if errors >= NETWORK_TRIES:
-                tmp.unlink(missing_ok=True)
-                raise DownloadError(f"'{_shown(fs, remote)}': the download failed {errors} times in "
-                                    f"{time.monotonic() - started:.0f} s, the last with {type(e).__name__}: "
-                                    f"{redact(str(e))}; check the network and that the store is reachable, then "
-                                    f"run the same command again") from None
-            time.sleep(BACKOFF_S * 2 ** (errors - 1))
-            continue
-        if n == size and (sha256 is None or digest == sha256):
-            os.replace(tmp, local)
-            return
-        mismatches += 1
-        if mismatches >= TRIES:
-            tmp.unlink(missing_ok=True)
-            raise DownloadError(f"'{_shown(fs, remote)}': the downloaded bytes ({n} B, sha256 {digest[:12]}...) do not "
-                                f"match the store's index ({size} B, sha256 {(sha256 or 'not recorded')[:12]}...) "
-                                f"after {TRIES} tries; the remote copy is damaged: prepare the store again (phalanx "
-                                f"prepare)")
-        time.sleep(0.2 * mismatches)
+            if errors < NETWORK_TRIES:
+                time.sleep(BACKOFF_S * 2 ** (errors - 1))
+                continue
+            failure = (f"the download failed {errors} times in {time.monotonic() - started:.0f} s, the last with "
+                       f"{type(e).__name__}: {redact(str(e))}; check the network and that the store is reachable, "
+                       f"then run the same command again")
+        else:
+            if n == size and (sha256 is None or digest == sha256):
+                os.replace(tmp, local)
+                return
+            mismatches += 1
+            if mismatches < TRIES:
+                time.sleep(0.2 * mismatches)
+                continue
+            failure = (f"the downloaded bytes ({n} B, sha256 {digest[:12]}...) do not match the store's index "
+                       f"({size} B, sha256 {(sha256 or 'not recorded')[:12]}...) after {TRIES} tries; the remote "
+                       f"copy is damaged: prepare the store again (phalanx prepare)")
+        tmp.unlink(missing_ok=True)
+        raise DownloadError(f"'{_shown(fs, remote)}': {failure}") from None
 
 
 def _shown(fs, path: str) -> str:

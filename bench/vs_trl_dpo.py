@@ -146,9 +146,11 @@ def phalanx_rate(run_dir: Path, warmup: int) -> dict:
     useful = sum(m["useful_tokens_per_s"] * m["step_time_s"] for m in later)
     slots = sum(m["tokens_per_s"] * m["step_time_s"] for m in later)
     summary = json.loads((run_dir / "summary.json").read_text())
+    # the precomputed reference pass's last progress line (non-padding tokens/s), where this run made it
+    passes = re.findall(r"reference pass .*\|\s*([\d.]+) tok/s", Path(f"{run_dir}.log").read_text())
     return {"useful_tps": useful / (later[-1]["time_s"] - first["time_s"]), "efficiency": useful / slots,
             "pairs_per_step": float(np.mean([m["pairs"] for m in later])), "world": summary["world_size"],
-            "reference": summary["reference"]}
+            "reference": summary["reference"], "pass_tps": float(passes[-1]) if passes else None}
 
 
 def trl_rate(prefix: Path, warmup: int) -> dict:
@@ -224,6 +226,11 @@ def throughput(s: dict, a) -> None:
         note = " (gradient checkpointing)" if rs[0].get("gc") else ""
         print(f"| {side}{note} | {rs[0]['reference']} | {tps:,.0f} | {base / tps:.2f}x | {rs[0]['pairs_per_step']:.1f} "
               f"| {statistics.median(r['efficiency'] for r in rs):.2f} | {rs[0]['world']} |")
+    passes = [r["pass_tps"] for rs in results.values() for r in rs if r.get("pass_tps")]
+    if passes:  # the pass runs once per base and data (then cached): forward only, against a training step's rate
+        print(f"\nphalanx's precomputed reference pass (forward only, eval mode, over the same pairs): "
+              f"{statistics.median(passes):,.0f} non-padding tokens/s = {statistics.median(passes) / base:.2f}x the "
+              f"training steps' useful tokens/s ({len(passes)} pass(es))")
 
 
 def memory(s: dict) -> None:

@@ -110,7 +110,8 @@ def test_the_reading_seam_imports_in_one_direction():
 DATA_PACKAGES = {"data.layout": {"data.layout"}, "data.remote": {"data.remote", "data.layout"},
                  "data": {"data", "data.layout", "data.remote"}, "data.chat": {"data", "data.layout", "data.chat"},
                  "data.pref": {"data", "data.layout", "data.chat", "data.pref"},
-                 "data.classify": {"data", "data.layout", "data.classify"}}
+                 "data.classify": {"data", "data.layout", "data.classify"},
+                 "data.grpo": {"data", "data.layout", "data.chat", "data.grpo"}}
 
 
 def data_package(module: str) -> str:

@@ -33,7 +33,15 @@ from phalanx.core.sections import (
     TrainConfig,
     setting,
 )
-from phalanx.core.task_sections import ChatConfig, ClassifyConfig, LMConfig, PreferenceConfig, TemplateConfig
+from phalanx.core.task_sections import (
+    ChatConfig,
+    ClassifyConfig,
+    GRPOConfig,
+    LMConfig,
+    PreferenceConfig,
+    TemplateConfig,
+    TokenClassifyConfig,
+)
 from phalanx.core.runfolder import write_text
 
 
@@ -72,6 +80,9 @@ class Config:
     template: TemplateConfig = setting(None, "the chat template (tasks chat and preference)", factory=TemplateConfig)
     preference: PreferenceConfig = setting(None, "task preference: pairs, the loss and the reference",
                                            factory=PreferenceConfig)
+    grpo: GRPOConfig = setting(None, "task grpo: prompts, generation, rewards and the loss", factory=GRPOConfig)
+    token_classify: TokenClassifyConfig = setting(None, "task token_classify: fields, CoNLL columns, labels, windows",
+                                                  factory=TokenClassifyConfig)
     dist: DistConfig = setting(None, "distributed settings", factory=DistConfig)
     log: LogConfig = setting(None, "logging sinks and progress display", factory=LogConfig)
     debug: DebugConfig = setting(None, "test-only hooks", factory=DebugConfig)
@@ -81,8 +92,8 @@ class Config:
 TRAINING_RELEVANT = ("task", "data.train", "data.validation", "data.val_fraction", "data.tokenizer_sample_mb",
                      "data.format", "data.text_field", "data.packing", "data.order", "data.order_window",
                      "data.tokenizer", "data.vocab_size", "data.group_by_length", "lm", "classify", "chat",
-                     "template", "preference", "model", "train.global_batch_size", "train.lr", "train.min_lr_ratio",
-                     "train.warmup_steps", "train.weight_decay", "train.beta1", "train.beta2",
+                     "template", "preference", "grpo", "token_classify", "model", "train.global_batch_size", "train.lr",
+                     "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay", "train.beta1", "train.beta2",
                      "train.grad_clip", "train.seed")
 
 

@@ -42,6 +42,14 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
              ("eval/loss", "eval/rewards/accuracies", "eval/rewards/margins"), ("generate", "chat"), True,
              "examples/preference.yaml", ("preference", "template"), False,
              shows="pairs (the prompt and both replies)"),
+    TaskSpec("grpo", "phalanx.tasks.grpo:GRPOTask",
+             "reinforcement learning with verifiable rewards (GRPO, Dr. GRPO, DAPO) of a chat model on prompts",
+             ("eval/reward", "eval/accuracy"), ("generate", "chat"), True, "examples/grpo.yaml", ("grpo", "template")),
+    TaskSpec("token_classify", "phalanx.tasks.token_classify:TokenClassifyTask",
+             "token classification (named entities, tags): one prediction per word",
+             ("eval/loss", "eval/f1", "eval/precision", "eval/recall", "eval/strict_f1", "eval/accuracy"),
+             ("predict",), False, "examples/ner.yaml", ("token_classify",), True,
+             shows="sentences (words, subwords and labels side by side)"),
 )}
 
 # Every task's own section (a task reads only its own: the others stay out of its resume check and --show)

@@ -102,3 +102,77 @@ class PreferenceConfig:
                                     "TRL's rule misses. With dropout on, the first step's sigmoid loss is not log 2 "
                                     "and the margins pick up noise. Task chat keeps the model's dropout, as TRL's SFT "
                                     "does")
+
+
+@dataclass
+class GRPOConfig:
+    """task grpo: its prompts, generation, rewards and loss (defaults are TRL 1.16's GRPOConfig's)."""
+    prompt_field: str = setting("prompt", "field with the prompt: text (one user turn) or a list of messages; every "
+                                "other field of the record goes to the reward functions")
+    system_field: str = setting("system", "optional field with a system message (text prompts)")
+    num_generations: int = setting(8, "completions per prompt (G); all G of a prompt are generated and trained on one "
+                                   "rank", min=2, max=1024)
+    max_completion_length: int = setting(512, "most tokens a completion may have (TRL's default 512; one that reaches "
+                                         "it is truncated); a prompt longer than model.block_size minus this is cut "
+                                         "from the left (its oldest turns first, as chat's keep_end) or dropped and "
+                                         "counted", min=1)
+    temperature: float = setting(1.0, "sampling temperature; the loss's log-probs are of the same tempered "
+                                 "distribution, as in TRL", min=1e-3)
+    top_p: float = setting(1.0, "nucleus sampling: keep the most probable tokens whose mass reaches top_p",
+                           min=1e-6, max=1.0)
+    top_k: int = setting(0, "keep only the k most probable tokens; 0 = all", min=0)
+    epsilon: float = setting(0.2, "the clipped surrogate's lower epsilon (ratio >= 1 - epsilon)", min=0.0, max=1.0)
+    epsilon_high: float = setting(0.0, "the upper epsilon (ratio <= 1 + epsilon_high); 0 = epsilon (DAPO's paper "
+                                  "recommends 0.28)", min=0.0)
+    beta: float = setting(0.0, "weight of the KL term against the reference (k3 estimator, per token); 0 = none, and "
+                          "no reference is computed", min=0.0)
+    reference: str = setting("auto", "beta > 0: the reference's log-probs: adapters_off = the policy with its LoRA "
+                             "adapters disabled (needs model.lora.r > 0); model = a frozen copy of the initial model; "
+                             "auto = adapters_off under LoRA, else model", choices=["auto", "adapters_off", "model"])
+    num_iterations: int = setting(1, "updates per generation batch (mu); 1 = on-policy (old log-probs are the "
+                                  "current ones, detached, as TRL does)", min=1, max=1)
+    loss_type: str = setting("dapo", "the loss's normalisation, as TRL 1.16 defines each, over the whole global batch: "
+                             "grpo = each completion's mean token loss, averaged over completions; dr_grpo = the "
+                             "token losses' sum over completions x max_completion_length; dapo = their sum over the "
+                             "completion tokens (TRL's bnpo, per process, is dapo made global)",
+                             choices=["grpo", "dr_grpo", "dapo"])
+    scale_rewards: str = setting("group", "advantages = reward - the group's mean, divided by the std (+1e-4) of: "
+                                 "the group, the whole global batch, or nothing (none)",
+                                 choices=["group", "batch", "none"], boolean=("group", "none"))
+    mask_truncated_completions: bool = setting(False, "leave completions that hit max_completion_length out of the "
+                                               "loss (they still count as completions for grpo and dr_grpo, as in TRL)")
+    reward_funcs: list = setting(None, "reward functions, summed with reward_weights: math_answer (1 when the last "
+                                 "number or \\boxed{} of the completion equals the reference answer, else 0), format "
+                                 "(1 when format_pattern is found in the completion), or 'module:function' with "
+                                 "TRL's signature", factory=lambda: ["math_answer"])
+    reward_weights: list = setting(None, "a weight per reward function; empty = 1 each", factory=list)
+    answer_field: str = setting("answer", "math_answer: the field with the reference answer (the number after '####' "
+                                "where there is one, as in GSM8K)")
+    format_pattern: str = setting("", "format: a regular expression searched in the completion (re.DOTALL); needed "
+                                  "when reward_funcs has format")
+    disable_dropout: bool = setting(False, "zero every dropout of the policy (as preference.disable_dropout); TRL's "
+                                    "GRPOConfig.disable_dropout defaults to false")
+    log_completions_every: int = setting(0, "every this many steps, log a few sampled completions with their rewards "
+                                         "to metrics.jsonl (event 'completions'); 0 = never", min=0)
+    log_completions_count: int = setting(4, "completions logged each time", min=1)
+    eval_max_tokens: int = setting(0, "evaluation's greedy completions: most tokens; 0 = max_completion_length", min=0)
+
+
+@dataclass
+class TokenClassifyConfig:
+    """task token_classify: its fields and CoNLL columns, labels, alignment and windows."""
+    tokens_field: str = setting("tokens", "JSONL/Parquet/hub data: field with the sentence's words (a list of strings)")
+    tags_field: str = setting("ner_tags", "JSONL/Parquet/hub data: field with one tag per word (strings, or integers "
+                              "naming token_classify.labels or the dataset's ClassLabel names)")
+    token_column: int = setting(0, "CoNLL files: column of the word (0 = first)", min=0)
+    tag_column: int = setting(-1, "CoNLL files: column of the tag (-1 = last)")
+    separator: str = setting("auto", "CoNLL files: column separator; auto = a tab where a line has one (WNUT 2017: "
+                             "words may hold spaces), else runs of whitespace; or the separator itself, e.g. ' '")
+    labels: list = setting(None, "tag names in id order (needed for integer tags without the dataset's names); empty "
+                           "= the training tags: O first, then by entity type and B/I/E/S prefix", factory=list)
+    max_length: int = setting(128, "subwords per window, special tokens included; a longer sentence is split into "
+                              "overlapping windows and each word is predicted by the window where it has the most "
+                              "context", min=8, max=65536)
+    stride: int = setting(32, "subwords of context two consecutive windows share (at least; whole words)", min=0)
+    label_all_subwords: bool = setting(False, "train on every subword of a word (B- becomes I- after the first), not "
+                                       "only its first; prediction always reads the first subword")

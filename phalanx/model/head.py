@@ -45,20 +45,25 @@ class Targets:
 
 
 def target_logprobs(model: nn.Module, inputs: dict, labels: torch.Tensor, correct: bool = False,
-                    summed: bool = False) -> Targets:
+                    summed: bool = False, temperature: float = 1.0) -> Targets:
     """Each target's log-prob under `model` (a causal LM, possibly wrapped by DDP, torch.compile or peft) for
     `inputs` (input_ids and the model's other inputs, shaped like `labels`); -100 marks no target. `summed`:
-    only their sum (a 0-d `logp`), whose gradient is cheaper (TargetLogProbSum)."""
+    only their sum (a 0-d `logp`), whose gradient is cheaper (TargetLogProbSum). `temperature`: of the
+    distribution logits / temperature (GRPO's sampling distribution, as TRL scores it)."""
     keep = labels != IGNORE
     targets = labels[keep]
     head = _fusable_head(model)
+    if head is not None and temperature != 1.0 and (head.bias is not None or _softcap(model)):
+        head = None  # (h W + b) / T is not (h / T) W + b, nor cap(z) / T cap(z / T): the model's own logits
     if head is None:
         logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits
         logits = logits[keep] if logits.dim() == 3 else logits  # a model that ignores logits_to_keep
+        if temperature != 1.0:
+            logits = logits.float() / temperature
         got = _from_logits(logits, targets, correct)
         return Targets(got.logp.sum(), got.correct) if summed else got
     capture = _Capture.of(head)
-    capture.pending = (keep, targets, _softcap(model), correct, summed)
+    capture.pending = (keep, targets, _softcap(model), correct, summed, temperature)
     try:
         # use_cache=False: a key/value cache would turn off transformers' packed-sequence masks
         model(**inputs, logits_to_keep=keep, use_cache=False)
@@ -115,10 +120,12 @@ class _Capture:
     def _hook(self, head: nn.Linear, args):
         if self.pending is None:
             return None
-        keep, targets, softcap, correct, summed = self.pending
+        keep, targets, softcap, correct, summed, temperature = self.pending
         hidden = args[0]
         if hidden.dim() == 3:  # the model did not select (it ignores logits_to_keep)
             hidden = hidden[keep.view(hidden.shape[:2])]
+        if temperature != 1.0:  # no bias, no soft-cap here: (h / T) W = (h W) / T
+            hidden = hidden / temperature
         if summed:
             logp, right = TargetLogProbSum.apply(hidden, head.weight, head.bias, targets, softcap, correct,
                                                  torch.is_grad_enabled())

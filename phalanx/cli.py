@@ -14,7 +14,7 @@ from phalanx.core.runfolder import EXIT_BAD_INPUT
 EXTRA_COMMANDS = {"report": ("phalanx.tools.report", "plots and a Markdown summary of one or more runs"),
                   "bench": ("phalanx.tools.bench", "scaling study: the same config at several world sizes"),
                   "doctor": ("phalanx.tools.doctor", "pre-flight checks of the distributed set-up"),
-                  "predict": ("phalanx.tools.predict", "predict labels with a trained classifier (RUN/final)"),
+                  "predict": ("phalanx.tools.predict", "predict with a trained classifier or tagger (RUN/final)"),
                   "generate": ("phalanx.tools.generate", "sample text from a trained language model (RUN/final)"),
                   "chat": ("phalanx.tools.chat", "talk to a trained chat model (RUN/final), or answer one --message"),
                   "sweep": ("phalanx.tools.sweep", "hyperparameter search whose trials are multi-process runs "
@@ -48,9 +48,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args) -> int:
-    from phalanx.core import dist
     from phalanx.core.config import load_config
-    from phalanx.tools.launch import launch, run_as_worker
 
     config, overrides = _split_config_and_overrides(args.items)
     if args.run_dir:
@@ -62,12 +60,17 @@ def cmd_train(args) -> int:
     if args.fresh:
         overrides.append("resume=auto")
     cfg = load_config(config, overrides)
+    nproc = None if args.nproc_per_node == "auto" else nproc_per_node(args.nproc_per_node, cfg.dist.backend)
+    # torch only now: a bad key or flag is refused in a fraction of a second
+    from phalanx.core import dist
+    from phalanx.tools.launch import launch, run_as_worker
+
     # Started by torchrun/srun as one worker: be it. Launcher flags mean "start my own workers", which
     # a Slurm job with one task per node or a Kubernetes pod (whose operator sets RANK/WORLD_SIZE) asks for.
     launcher_flags = args.nnodes != "1" or args.rdzv_endpoint or args.nproc_per_node != "auto"
     if (dist.under_torchrun() or dist.under_srun()) and not launcher_flags:
         return run_as_worker(cfg)
-    nproc = nproc_per_node(args.nproc_per_node, cfg.dist.backend)
+    nproc = nproc or nproc_per_node(args.nproc_per_node, cfg.dist.backend)
     return launch(cfg, nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                   rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, fresh=args.fresh,
                   force_resume=args.force_resume)
@@ -75,16 +78,15 @@ def cmd_train(args) -> int:
 
 def nproc_per_node(value: str, backend: str) -> int:
     """--nproc-per-node: a whole number, or auto (one per visible GPU with NCCL, else 1; said on stdout)."""
-    from phalanx.core import dist
-
     if value == "auto":
+        from phalanx.core import dist
+
         n, why = dist.auto_nproc(dist.pick_backend(backend))
         print(f"phalanx: --nproc-per-node auto = {n} ({why})", flush=True)
         return n
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"--nproc-per-node: expected a whole number >= 1 or auto, got {value!r}") from None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"--nproc-per-node: expected a whole number >= 1 or auto, got {value!r}")
+    return int(value)
 
 
 def cmd_prepare(args) -> int:
@@ -109,7 +111,8 @@ def cmd_prepare(args) -> int:
         if summary.get("reused"):  # a split prepared now was said by the pipeline as it finished (the launcher's
             print(f"phalanx: {describe(summary)}")  # log line): once each, in one summary shape for every task
     if args.show:
-        print(units.show(cfg, get_task(cfg.task).FORMAT, args.show))
+        fmt = get_task(cfg.task).FORMAT  # a format that shows its own rows (token_classify), or a store of units
+        print(fmt.show(cfg, args.show) if hasattr(fmt, "show") else units.show(cfg, fmt, args.show))
     return 0
 
 
@@ -141,7 +144,8 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--show", type=int, default=0, metavar="N", help="chat, preference: print N rendered training "
                    "conversations (pairs: the prompt and both replies) with the supervised tokens marked [[like "
-                   "this]], to check a template before a long run")
+                   "this]], to check a template before a long run; token_classify: N training sentences, each word "
+                   "beside its subwords and label, per window")
     p.set_defaults(func=cmd_prepare)
     p = sub.add_parser("config", help="print the resolved config, or every field with its doc (--show)")
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]")

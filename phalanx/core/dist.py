@@ -232,6 +232,15 @@ def all_gather_floats(values: list[float], info: DistInfo) -> list[list[float]]:
     return [o.tolist() for o in out]
 
 
+def all_gather_objects(value, info: DistInfo) -> list:
+    """Every rank's picklable `value`, indexed by rank (on the scalar group: Gloo on the host next to NCCL)."""
+    if info.world_size == 1:
+        return [value]
+    out = [None] * info.world_size
+    tdist.all_gather_object(out, value, group=info.scalar_group)
+    return out
+
+
 def barrier(info: DistInfo) -> None:
     if info.world_size > 1:
         tdist.barrier()

@@ -27,8 +27,8 @@ class DataConfig:
                               "the training data", path=True)
     val_fraction: float = setting(0.05, "fraction of the training data held out for validation when data.validation "
                                   "is empty", min=0.0, max=0.5)
-    format: str = setting("auto", "file format; auto = from the file extension",
-                          choices=["auto", "text", "jsonl", "csv", "parquet"])
+    format: str = setting("auto", "file format; auto = from the file extension (.conll: CoNLL, a word and its tag "
+                          "per line, for token_classify)", choices=["auto", "text", "jsonl", "csv", "parquet", "conll"])
     text_field: str = setting("text", "field holding the text in JSONL/CSV/Parquet/hub data")
     tokenizer: str = setting("", "tokenizer: a local folder with a Hugging Face tokenizer, or 'hf:NAME'; empty = "
                              "train a byte-level BPE (lm) or WordPiece (classify) tokenizer on the training text",
@@ -160,8 +160,7 @@ class TrainConfig:
                                             "gradients): none, full = every block, every_k = blocks 0, k, 2k, ... "
                                             "with k = train.activation_checkpointing_every",
                                             choices=["none", "full", "every_k"], boolean=("full", "none"))
-    activation_checkpointing_every: int = setting(2, "k of activation_checkpointing=every_k: checkpoint every k-th "
-                                                  "transformer block", min=1)
+    activation_checkpointing_every: int = setting(2, "k of every_k: checkpoint every k-th transformer block", min=1)
     cpu_offload: bool = setting(False, "fsdp on GPUs: keep parameter shards, their gradients and the optimizer state "
                                 "in host memory (FSDP2's CPUOffloadPolicy; the optimizer step runs on the CPU); exit "
                                 "2 without a GPU")

@@ -121,9 +121,65 @@ def stdlib_preference_pairs() -> tuple[dict, ...]:
     return tuple(out)
 
 
+def _words(text: str) -> list[str]:
+    """Words with punctuation at their ends split off, as NER corpora tokenize ('(see', 'json.')."""
+    out = []
+    for raw in text.split():
+        lead = len(raw) - len(raw.lstrip("([{'\"`"))
+        core = raw[lead:]
+        tail = len(core) - len(core.rstrip(".,;:!?)]}'\"`"))
+        core, end = (core[:len(core) - tail], core[len(core) - tail:]) if tail else (core, "")
+        out += list(raw[:lead]) + ([core] if core else []) + list(end)
+    return out
+
+
+def _tagged(module: str, name: str, doc: str, n: int) -> tuple[list[str], list[str]]:
+    """One sentence about `module`.`name` (a function, or Class.method as three words) with the module and
+    function names tagged (B-MODULE; B-FUNCTION I-FUNCTION ...), in one of three frames so position alone does
+    not give the tags away."""
+    parts = name.split(".")
+    func = [w for p in parts for w in (p, ".")][:-1]
+    func_tags = ["B-FUNCTION"] + ["I-FUNCTION"] * (len(func) - 1)
+    words = _words(doc.split(". ")[0].rstrip(".") + ".")
+    doc_tags = ["B-MODULE" if w == module else "B-FUNCTION" if w == parts[-1] else "O" for w in words]
+    frames = [(func + ["in", module, ":"], func_tags + ["O", "B-MODULE", "O"], words, doc_tags),
+              (["The", module, "module", "has"] + func + [":"], ["O", "B-MODULE", "O", "O"] + func_tags + ["O"],
+               words, doc_tags),
+              (words[:-1], doc_tags[:-1], ["(", "see"] + func + ["in", module, ")", "."],
+               ["O", "O"] + func_tags + ["O", "B-MODULE", "O", "O"])]
+    a, a_tags, b, b_tags = frames[n % 3]
+    return a + b, a_tags + b_tags
+
+
+@lru_cache(maxsize=1)
+def stdlib_tagged(max_sentences: int = 6000) -> tuple[tuple[list[str], list[str]], ...]:
+    """(words, tags) sentences about the standard library's documented functions and methods, with module and
+    function names tagged: the built-in data of `task: token_classify`. Deterministic, offline."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if {"site-packages", "test", "tests", "idlelib"} & set(parts) or any(
+                part.startswith("_") and part != "__init__.py" for part in parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        for qualified, doc in _documented(tree, module):
+            out.append(_tagged(module, qualified[len(module) + 1:], doc, len(out)))
+            if len(out) >= max_sentences:
+                return tuple(out)
+    return tuple(out)
+
+
 def records(fields: tuple) -> tuple:
-    """The built-in rows for a record format's fields ((name, kind), ...): preference pairs for a whole-row
-    field named 'pair', conversations for another whole-row field, else the docstrings (text)."""
+    """The built-in rows for a record format's fields ((name, kind), ...): tagged sentences (words, tags) for a
+    'words' field, preference pairs for a whole-row field named 'pair', conversations for another whole-row
+    field, else the docstrings (text)."""
+    if any(kind == "words" for _, kind in fields):
+        return stdlib_tagged()
     whole = [name for name, kind in fields if kind == "record"]
     if not whole:
         return stdlib_docstrings()

@@ -53,6 +53,19 @@ def line_cut(buf: bytes, pos: int) -> int:
     return -1 if p == -1 else p + 1
 
 
+def sentence_cut(buf: bytes, pos: int) -> int:
+    """CoNLL: the start of the line after a blank one (a sentence never spans two pieces)."""
+    p = buf.find(b"\n", max(pos - 1, 0))
+    while p != -1:
+        nxt = buf.find(b"\n", p + 1)
+        if nxt == -1:
+            return -1
+        if readers.is_blank(buf[p + 1:nxt].decode("utf-8", "replace")):
+            return nxt + 1
+        p = nxt
+    return -1
+
+
 @dataclass(frozen=True)
 class Piece:
     kind: str
@@ -66,7 +79,7 @@ class Piece:
     file: Blob | None = field(default=None, compare=False, repr=False)  # where its bytes are (not docs)
 
     def where(self) -> str:
-        unit = {"text": "bytes", "jsonl": "bytes", "parquet": "row groups", "docs": "rows"}[self.kind]
+        unit = {"text": "bytes", "jsonl": "bytes", "conll": "bytes", "parquet": "row groups", "docs": "rows"}[self.kind]
         return f"{self.source} {unit} {self.start}-{self.end}"
 
 
@@ -77,7 +90,8 @@ def plan(source, fields: Fields, piece_bytes: int) -> Iterator[Piece]:
     have no fields)."""
     spec = source.split.spec
     if not spec:
-        yield from _doc_pieces("builtin", ((item,) for item in builtin.records(fields)), piece_bytes)
+        rows = (item if isinstance(item, tuple) else (item,) for item in builtin.records(fields))  # a row, or one value
+        yield from _doc_pieces("builtin", rows, piece_bytes)
         return
     if spec.startswith("hf:"):
         yield from _doc_pieces(spec, readers.hub_rows(spec, fields, source.split.name), piece_bytes)
@@ -111,7 +125,7 @@ def _file_pieces(f, fields: Fields, piece_bytes: int) -> list[Piece]:
         per_group = f.size / max(meta.num_row_groups, 1)
         return [Piece("parquet", name, a, b, int((b - a) * per_group), fingerprint(ident, kind, fields, a, b),
                       file=f.blob) for a, b in zip(bounds, bounds[1:])]
-    finder = safe_cut if kind == "text" else line_cut
+    finder = {"text": safe_cut, "conll": sentence_cut}.get(kind, line_cut)
     cuts = _cuts(f.blob, readers.content_start(f.blob, kind), f.size, piece_bytes, finder)
     return [Piece(kind, name, a, b, b - a, fingerprint(ident, kind, fields, a, b, b == f.size),
                   ends_document=(kind == "text" and b == f.size), file=f.blob)
@@ -164,6 +178,11 @@ def locate(source: str, kind: str, start: int, k: int) -> str:
             seen += bool(text.strip())
             if seen == k:
                 return f"data file '{source}' line {line}"
+    if kind == "conll":
+        file = readers.blob(source)
+        text = readers.decode(file.read(start, file.fs.size(file.path)), file, start)
+        first = readers.conll_sentences(text, (0, 0, "auto"), lambda n: "", 0, tags=False)[k][2]
+        return f"data file '{source}' line {readers.line_of(file, start) + first}"
     if kind == "parquet":
         meta = readers.open_parquet(readers.blob(source), ()).metadata
         start = sum(meta.row_group(g).num_rows for g in range(start))
@@ -205,5 +224,7 @@ def rows(piece: Piece, fields: Fields, batch_bytes: int = 1 << 20) -> Iterator[t
             yield batch, sum(value_bytes(v) for item in batch for v in item)
     elif piece.kind == "jsonl":
         yield from readers.jsonl_batches(piece.file, piece.start, piece.end, fields, batch_bytes)
+    elif piece.kind == "conll":  # a piece is read whole: it is at most data.shard_mb
+        yield readers.conll_rows(piece.file, piece.start, piece.end, fields), piece.size
     else:
         yield from readers.parquet_rows(piece.file, piece.start, piece.end, fields)

@@ -119,7 +119,7 @@ def prepare_tokenizer(cfg: Config, fmt: RecordFormat, say) -> Path:
         else:
             t0 = time.perf_counter()
             rows = sample_rows(cfg, fields, int(d.tokenizer_sample_mb * (1 << 20)))
-            texts = [t for row in rows for i, (_, k) in enumerate(fields) for t in readers.texts_of(row[i], k)]
+            texts = [t for row in rows for (_, k), value in zip(fields, row) for t in readers.texts_of(value, k)]
             toks.save_trained(TRAINERS[fmt.tokenizer](texts, d.vocab_size), fmt.tokenizer, tmp)
             say(f"phalanx: trained a {d.vocab_size}-token {fmt.tokenizer} tokenizer on "
                 f"{sum(map(len, texts)) / 1e6:.1f} MB of sampled text in {time.perf_counter() - t0:.1f} s")

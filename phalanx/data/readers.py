@@ -81,7 +81,9 @@ def one_line(e: BaseException, limit: int = 200) -> str:
 
 def columns(fields: Fields) -> list[str] | None:
     """The columns a reader needs: the fields' names, or None (all of them) for a whole-row format."""
-    return None if any(kind == "record" for _, kind in fields) else [n for n, _ in fields]
+    if any(kind == "record" for _, kind in fields):
+        return None
+    return [n for n, kind in fields if kind != "columns"]
 
 
 def content_start(file: Blob, kind: str) -> int:
@@ -190,6 +192,9 @@ def values_of(row, fields: Fields, where) -> tuple:
         if kind == "record":  # the whole row; its format checks it (e.g. a conversation)
             out.append(row)
             continue
+        if kind == "columns":  # CoNLL's columns: how a .conll file is read, not a field of a record
+            out.append(None)
+            continue
         if name not in row:
             raise ConfigError(f"{where()}: missing field '{name}' (fields: {', '.join(sorted(map(str, row)))[:200]})")
         value = row[name]
@@ -198,8 +203,31 @@ def values_of(row, fields: Fields, where) -> tuple:
         if kind == "label" and (isinstance(value, bool) or not isinstance(value, (int, str))):
             raise ConfigError(f"{where()}: field '{name}' should be an integer or a string label, "
                               f"got {type(value).__name__} ({value!r})")
+        if kind in ("words", "tags"):
+            _check_sequence(value, name, kind, where)
         out.append(value)
+    lists = [(name, len(v)) for (name, kind), v in zip(fields, out) if kind in ("words", "tags")]
+    if len(lists) == 2 and lists[0][1] != lists[1][1]:
+        raise ConfigError(f"{where()}: field '{lists[0][0]}' has {lists[0][1]} words but field '{lists[1][0]}' has "
+                          f"{lists[1][1]} tags (one tag per word)")
     return tuple(out)
+
+
+def _check_sequence(value, name: str, kind: str, where) -> None:
+    """A sentence's words (a non-empty list of strings) or tags (a list of integers or strings, not mixed)."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where()}: field '{name}' should be a list of {kind}, got {type(value).__name__}")
+    if not value:
+        raise ConfigError(f"{where()}: field '{name}' is empty (an empty sentence)")
+    if kind == "words":
+        bad = next((w for w in value if not isinstance(w, str) or not w.strip()), None)
+        if bad is not None:
+            raise ConfigError(f"{where()}: field '{name}' should hold non-blank strings, got {bad!r}")
+        return
+    ints = [isinstance(t, int) and not isinstance(t, bool) for t in value]
+    if not (all(ints) or all(isinstance(t, str) for t in value)):
+        bad = next(t for t, i in zip(value, ints) if not (i or isinstance(t, str)) or i != ints[0])
+        raise ConfigError(f"{where()}: field '{name}' should hold integer or string tags (not mixed), got {bad!r}")
 
 
 def texts_of(value, kind: str) -> list[str]:
@@ -208,6 +236,8 @@ def texts_of(value, kind: str) -> list[str]:
         return [value]
     if kind != "record":
         return []
+    if kind == "words":
+        return [" ".join(value)]
     if isinstance(value, str):
         return [value]
     items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
@@ -296,3 +326,73 @@ def hub_rows(spec: str, fields: Fields, split: str) -> Iterator[tuple]:
         raise
     except Exception as e:
         raise ConfigError(f"hub dataset '{spec}' split '{split}': {one_line(e)}") from None
+
+
+# ---- CoNLL ----------------------------------------------------------------------------------------
+# Characters a line may hold and still be blank: a byte-order mark or zero-width space/joiners (WNUT 2017's dev
+# file has a line of only U+200B), which str.strip() keeps.
+INVISIBLE = "\ufeff\u200b\u200c\u200d\u2060"
+DOCSTART = "-DOCSTART-"
+
+
+def is_blank(line: str) -> bool:
+    return not line.strip().strip(INVISIBLE).strip()
+
+
+def conll_spec(fields: Fields) -> tuple[int, int, str]:
+    """(word column, tag column, separator) of a CoNLL file, from the fields' 'columns' entry (its name)."""
+    return next((name for name, kind in fields if kind == "columns"), (0, -1, "auto"))
+
+
+def conll_columns(line: str, separator: str) -> list[str]:
+    """A line's columns: split on `separator`; auto = on tabs where the line has one (words may hold spaces), else
+    on runs of whitespace."""
+    if separator == "auto":
+        return line.split("\t") if "\t" in line else line.split()
+    return line.split(separator) if separator.strip() else line.split()
+
+
+def conll_sentences(text: str, spec: tuple[int, int, str], where, first_line: int,
+                    tags: bool = True) -> list[tuple[list[str], list[str], int]]:
+    """(words, tags, first line number) of every sentence in `text` (whole lines; sentences end at blank lines),
+    -DOCSTART- lines skipped. `where(n)` names line n for errors. With tags=False a line may hold the word only
+    (text to tag)."""
+    word_col, tag_col, sep = spec
+    out, words, tags_, start = [], [], [], first_line
+    for n, raw in enumerate(text.split("\n"), first_line):
+        line = raw.rstrip("\r")
+        if is_blank(line):
+            if words:
+                out.append((words, tags_, start))
+            words, tags_ = [], []
+            continue
+        cols = [c.strip(INVISIBLE) for c in conll_columns(line.rstrip("\n"), sep)]
+        if cols and cols[0].strip() == DOCSTART:
+            continue
+        if tags and len(cols) < 2:
+            raise ConfigError(f"{where(n)}: a word without a tag ({line.strip()[:60]!r}: no "
+                              f"{'tab or space' if sep == 'auto' else repr(sep)} separator)")
+        try:
+            word = cols[word_col].strip()
+            tag = cols[tag_col].strip() if tags and len(cols) > 1 else ""
+        except IndexError:
+            raise ConfigError(f"{where(n)}: {len(cols)} columns, but token_classify.token_column is {word_col} and "
+                              f"token_classify.tag_column is {tag_col}") from None
+        if not word or (tags and not tag):
+            raise ConfigError(f"{where(n)}: an empty {'word' if not word else 'tag'} ({line.strip()[:60]!r})")
+        if not words:
+            start = n
+        words.append(word)
+        tags_.append(tag)
+    if words:
+        out.append((words, tags_, start))
+    return out
+
+
+def conll_rows(file: Blob, start: int, end: int, fields: Fields) -> list[tuple]:
+    """The (words, tags) of every sentence of the sentence-aligned byte range [start, end) of a CoNLL file."""
+    text = decode(file.read(start, end), file, start)
+    # the line number is counted only for a message (it reads the file up to `start`)
+    sentences = conll_sentences(text, conll_spec(fields),
+                                lambda n: f"data file '{file.name}' line {line_of(file, start) + n}", 0)
+    return [(words, tags, None) for words, tags, _ in sentences]  # None: the 'columns' entry's place

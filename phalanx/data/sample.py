@@ -48,6 +48,10 @@ def _window(f: DataFile, lo: int, hi: int, fields: readers.Fields) -> list[tuple
         return []
     if f.kind == "jsonl":
         return readers.jsonl_rows(buf[start:end], f.blob, lo + start, fields)
+    if f.kind == "conll":  # whole lines; a window's first sentence may be the end of one, which is still checked
+        text = readers.decode(buf[start:end], f.blob, lo + start)
+        where = lambda n: f"data file '{f.blob.name}' line {readers.line_of(f.blob, lo + start) + n}"  # noqa: E731
+        return [(w, t, None) for w, t, _ in readers.conll_sentences(text, readers.conll_spec(fields), where, 0)]
     return [(readers.decode(buf[start:end], f.blob, lo + start),)]
 
 

@@ -20,7 +20,7 @@ from phalanx.data import builtin, readers
 from phalanx.data.readers import Blob
 
 EXTENSIONS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".json": "jsonl",
-              ".csv": "csv", ".parquet": "parquet"}
+              ".csv": "csv", ".parquet": "parquet", ".conll": "conll"}
 
 
 @dataclass(frozen=True)

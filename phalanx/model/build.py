@@ -43,6 +43,14 @@ def load_causal_lm(folder):
     return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
 
 
+def load_token_classifier(folder):
+    """A finished run's RUN/final token classifier (eval mode) and tokenizer, with plain transformers."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    quiet_transformers()
+    return AutoModelForTokenClassification.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+
+
 def load_classifier(folder):
     """A finished run's RUN/final classifier (eval mode) and tokenizer, with plain transformers."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -112,22 +120,20 @@ def causal_lm(m: ModelConfig, vocab_size: int, eos_id: int) -> nn.Module:
         return LlamaForCausalLM(cfg)
 
 
-def classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: int, id2label: dict[int, str]) -> nn.Module:
-    """The classifier's architecture (see causal_lm); a pretrained one gets a new head for these labels."""
-    from transformers import (
-        AutoModelForSequenceClassification,
-        BertConfig,
-        BertForSequenceClassification,
-        DistilBertConfig,
-        DistilBertForSequenceClassification,
-        RobertaConfig,
-        RobertaForSequenceClassification,
-    )
+def classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: int, id2label: dict[int, str],
+               head: str = "SequenceClassification") -> nn.Module:
+    """The classifier's architecture (see causal_lm); a pretrained one gets a new head for these labels. `head`:
+    one label per sequence (SequenceClassification) or per token (TokenClassification)."""
+    import transformers
+    from transformers import BertConfig, DistilBertConfig, RobertaConfig
 
     label2id = {v: k for k, v in id2label.items()}
+    AutoModel = getattr(transformers, f"AutoModelFor{head}")
+    BertModel, DistilBertModel, RobertaModel = (getattr(transformers, f"{arch}For{head}")
+                                                for arch in ("Bert", "DistilBert", "Roberta"))
     with _attention_refused(m):
         if m.pretrained:
-            return _pretrained_skeleton(AutoModelForSequenceClassification, m.pretrained, _attention(m),
+            return _pretrained_skeleton(AutoModel, m.pretrained, _attention(m),
                                         num_labels=len(id2label), id2label=id2label, label2id=label2id)
         common = dict(vocab_size=vocab_size, pad_token_id=pad_id, num_labels=len(id2label), id2label=id2label,
                       label2id=label2id, **_attention(m))
@@ -135,13 +141,13 @@ def classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: int, id
             cfg = DistilBertConfig(dim=m.n_embd, n_layers=m.n_layer, n_heads=m.n_head, hidden_dim=4 * m.n_embd,
                                    max_position_embeddings=max_length, dropout=m.dropout,
                                    attention_dropout=m.dropout, seq_classif_dropout=m.dropout, **common)
-            return DistilBertForSequenceClassification(cfg)
+            return DistilBertModel(cfg)
         kw = dict(hidden_size=m.n_embd, num_hidden_layers=m.n_layer, num_attention_heads=m.n_head,
                   intermediate_size=4 * m.n_embd, hidden_dropout_prob=m.dropout,
                   attention_probs_dropout_prob=m.dropout, **common)
         if m.arch == "roberta":
-            return RobertaForSequenceClassification(RobertaConfig(max_position_embeddings=max_length + 2, **kw))
-        return BertForSequenceClassification(BertConfig(max_position_embeddings=max_length, **kw))
+            return RobertaModel(RobertaConfig(max_position_embeddings=max_length + 2, **kw))
+        return BertModel(BertConfig(max_position_embeddings=max_length, **kw))
 
 
 def _pretrained_skeleton(auto_class, spec: str, attention: dict, **config_changes) -> nn.Module:

@@ -29,7 +29,10 @@ def evaluate(task, model, dataset, info: dist.DistInfo, micro_batch_size: int, m
     rounds = math.ceil(math.ceil(n / info.world_size) / micro_batch_size)
     was_training = model.training
     model.eval()
-    totals = None
+    # A task whose metric is not a sum over batches (entity F1) also returns each batch's outputs: gathered in
+    # sample order (contiguous shards, rank order) and given whole to eval_metrics on every rank.
+    gathers = getattr(task, "EVAL_OUTPUTS", False)
+    totals, outputs = None, []
     for b in range(rounds):
         ids = list(shard[b * micro_batch_size:(b + 1) * micro_batch_size])
         real = bool(ids)
@@ -37,11 +40,18 @@ def evaluate(task, model, dataset, info: dist.DistInfo, micro_batch_size: int, m
         batch = dist.to_device(batch, info.device)
         with autocast() if autocast else torch.autocast(info.device.type, enabled=False):
             sums = task.eval_sums(model, batch)
+        if gathers:
+            sums, out = sums
+            outputs += out if real else []
         totals = totals or [0.0] * len(sums)
         if real:
             totals = [a + b for a, b in zip(totals, sums)]
     model.train(was_training)
-    metrics = task.eval_metrics(dist.all_reduce(totals, info))
+    reduced = dist.all_reduce(totals, info)
+    if gathers:
+        metrics = task.eval_metrics(reduced, [o for part in dist.all_gather_objects(outputs, info) for o in part])
+    else:
+        metrics = task.eval_metrics(reduced)
     if metrics.get("eval/samples") != n:
         raise RuntimeError(f"evaluation saw {metrics.get('eval/samples')} samples, expected {n}")
     return metrics

@@ -26,11 +26,16 @@ from phalanx.tools.launch import run_workers
 
 def add_arguments(p) -> None:
     """Flags of `phalanx predict` (cli.py dispatches here)."""
-    p.description = "Classify texts with RUN/final; one JSON line per input, in input order."
-    p.add_argument("run", help="run folder of a finished classify run (uses RUN/final and RUN/config.yaml)")
-    p.add_argument("--input", required=True, help="JSONL/CSV/Parquet with the run's text field(s), or a .txt "
-                   "file with one text per line")
-    p.add_argument("--output", default="", help="JSONL file to write (default: standard output)")
+    p.description = ("Classify texts (classify) or tag each word of sentences (token_classify) with RUN/final; "
+                     "one JSON line per input, in input order (token_classify: CoNLL for an --output ending in .conll)")
+    p.add_argument("run", help="run folder of a finished classify or token_classify run (uses RUN/final and "
+                   "RUN/config.yaml)")
+    p.add_argument("--input", required=True, help="classify: JSONL/CSV/Parquet with the run's text field(s), or a .txt "
+                   "file with one text per line; token_classify: a CoNLL file (a word per line, its tag column "
+                   "optional, blank lines between sentences; .conll or data.format=conll in the run) or JSONL/Parquet "
+                   "with the run's token_classify.tokens_field")
+    p.add_argument("--output", default="", help="JSONL file to write (default: standard output); token_classify: a "
+                   "name ending in .conll writes CoNLL (word TAB tag)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="worker processes (each takes a contiguous share)")
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass")
 
@@ -53,16 +58,25 @@ def run(args) -> int:
     cfg = _run_config(args.run)
     if not Path(args.input).is_file():
         raise ConfigError(f"--input: file '{args.input}' not found")
+    if cfg.task == "token_classify":
+        from phalanx.tools import predict_tokens  # lazy: the tagger's own input, windows and outputs
+
+        return predict_tokens.run(args, cfg)
     examples = classify_inputs.read_inputs(args.input, cfg.data.text_field, cfg.classify.text_pair_field)
     if args.nproc_per_node > 1 and not dist.under_torchrun():
-        argv = ["phalanx", "predict", str(args.run), "--input", str(args.input), "--batch-size", str(args.batch_size),
-                "--nproc-per-node", str(args.nproc_per_node), *(["--output", str(args.output)] if args.output else [])]
-        failure = run_workers(argv, args.nproc_per_node, dist.default_threads(args.nproc_per_node))
-        if failure is not None:
-            print(f"phalanx: predict failed: {failure_line_of(failure)}", file=sys.stderr, flush=True)
-            return EXIT_FAILED
-        return EXIT_OK
+        return launch(args)
     return _predict_worker(args, cfg, examples)
+
+
+def launch(args) -> int:
+    """The same command started N times through the launcher; each worker takes its share."""
+    argv = ["phalanx", "predict", str(args.run), "--input", str(args.input), "--batch-size", str(args.batch_size),
+            "--nproc-per-node", str(args.nproc_per_node), *(["--output", str(args.output)] if args.output else [])]
+    failure = run_workers(argv, args.nproc_per_node, dist.default_threads(args.nproc_per_node))
+    if failure is not None:
+        print(f"phalanx: predict failed: {failure_line_of(failure)}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _predict_worker(args, cfg: Config, examples: classify_inputs.Examples) -> int:

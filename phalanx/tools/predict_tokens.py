@@ -1,0 +1,78 @@
+"""`phalanx predict` for a token_classify run: tag each word of each sentence, keeping the input's words.
+
+CoNLL out when --output ends in .conll (word TAB predicted tag, a blank line after each sentence); JSON Lines
+otherwise: per sentence its tokens, tags, each tag's probability, and the entities (seqeval's spans) with their
+words and mean probability. With --nproc-per-node N each worker tags a contiguous share; rank 0 writes all.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from phalanx.core import dist
+from phalanx.core.config import Config
+from phalanx.core.runfolder import EXIT_OK, RunFolder, write_text
+from phalanx.data.tokcls import inputs
+from phalanx.data.tokcls import labels as tag_names
+from phalanx.model.build import load_token_classifier
+from phalanx.run.evaluate import eval_shard
+from phalanx.tasks.token_classify import tag_sentences
+from phalanx.tools.predict import launch
+
+
+def run(args, cfg: Config) -> int:
+    sentences = inputs.read_sentences(args.input, cfg)  # checked here, before any worker starts
+    if args.nproc_per_node > 1 and not dist.under_torchrun():
+        return launch(args)
+    info = dist.setup(cfg.dist.backend, timeout_s=cfg.dist.timeout_s) if dist.under_torchrun() else None
+    rank, world = (info.rank, info.world_size) if info else (0, 1)
+    device = info.device if info else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_token_classifier(RunFolder(args.run).final)
+    model = model.to(device)
+    shard = eval_shard(len(sentences), rank, world)
+    t = cfg.token_classify
+    tagged = tag_sentences(model, tokenizer, sentences[shard.start:shard.stop], t.max_length, t.stride,
+                           args.batch_size, device)
+    if world > 1:  # contiguous shards in rank order: concatenating them restores the input order
+        gathered = [None] * world if rank == 0 else None
+        torch.distributed.gather_object(tagged, gathered, dst=0)
+        tagged = [x for part in gathered for x in part] if rank == 0 else None
+    if rank == 0:
+        names = [model.config.id2label[i] for i in range(model.config.num_labels)]
+        write(sentences, tagged, names, args.output)
+    if info:
+        dist.teardown()
+    return EXIT_OK
+
+
+def entities(tags: list[str], scores: np.ndarray, words: list[str]) -> list[dict]:
+    """seqeval's entity spans of one sentence (its default mode; plain tags: each run of one tag), with their
+    words and their words' mean probability; `end` is exclusive."""
+    from seqeval.metrics.sequence_labeling import get_entities
+
+    plain = all(tag_names.split_tag(t)[0] in ("", "O") for t in tags)
+    spans = get_entities(tag_names.for_seqeval(tags, plain) if plain else tags)
+    return [{"type": kind, "start": lo, "end": hi + 1, "words": words[lo:hi + 1],
+             "score": round(float(np.mean(scores[lo:hi + 1])), 6)} for kind, lo, hi in spans]
+
+
+def write(sentences: list[list[str]], tagged: list, names: list[str], output: str) -> None:
+    if output.endswith(".conll"):
+        text = "".join("".join(f"{w}\t{names[int(i)]}\n" for w, i in zip(words, ids)) + "\n"
+                       for words, (ids, _) in zip(sentences, tagged))
+    else:
+        lines = []
+        for words, (ids, scores) in zip(sentences, tagged):
+            tags = [names[int(i)] for i in ids]
+            lines.append(json.dumps({"tokens": words, "tags": tags, "scores": [round(float(p), 6) for p in scores],
+                                     "entities": entities(tags, scores, words)}, ensure_ascii=False))
+        text = "".join(line + "\n" for line in lines)
+    if not output:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    write_text(Path(output), text)

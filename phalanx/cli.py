@@ -84,8 +84,10 @@ def nproc_per_node(value: str, backend: str) -> int:
         n, why = dist.auto_nproc(dist.pick_backend(backend))
         print(f"phalanx: --nproc-per-node auto = {n} ({why})", flush=True)
         return n
-    if not value.isdigit() or int(value) < 1:
+    if not value.isdigit():
         raise ConfigError(f"--nproc-per-node: expected a whole number >= 1 or auto, got {value!r}")
+    if int(value) < 1:
+        raise ConfigError(f"--nproc-per-node: expected a whole number >= 1, got {value}")
     return int(value)
 
 

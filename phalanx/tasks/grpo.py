@@ -168,6 +168,7 @@ class GRPOTask(ChatTask):
         for groups in made:
             n = len(groups) * g.num_generations
             out.append(self._rows(groups, adv[start:start + n]))
+            out[-1]["row_rewards"] = torch.from_numpy(total[start:start + n].copy())  # for tests and debugging
             start += n
         if g.beta:
             for b in out:

@@ -98,12 +98,13 @@ class PromptEncoder:
         self.chat = ChatEncoder(tok, chat_settings(cfg, tok, "assistant", "keep_end"))
         self.limit = cfg.model.block_size - cfg.grpo.max_completion_length
 
-    def encode(self, prompt: Prompt) -> tuple[np.ndarray, bool] | counts.Dropped:
+    def encode(self, prompt: Prompt) -> tuple[np.ndarray, list[dict], bool] | counts.Dropped:
+        """The prompt's ids, the messages kept, and whether older turns were left out."""
         messages, truncated = prompt.messages, False
         while True:
             ids = self.chat.prompt_ids(messages)
             if isinstance(ids, counts.Dropped) or len(ids) <= self.limit:
-                return ids if isinstance(ids, counts.Dropped) else (ids, truncated)
+                return ids if isinstance(ids, counts.Dropped) else (ids, messages, truncated)
             system = [m for m in messages[:1] if m["role"] == "system"]
             rest = messages[len(system):]
             users = [i for i, m in enumerate(rest) if m["role"] == "user" and i > 0]
@@ -140,11 +141,11 @@ def _build(cfg: Config, split: Split, tok_dir: Path, out: Path) -> None:
                 dropped[got.reason] = dropped.get(got.reason, 0) + 1
                 examples.setdefault(got.reason, f"{where()}: {got.detail}")
                 continue
-            tokens, cut = got
+            tokens, messages, cut = got
             truncated += cut
             ids.append(np.asarray(tokens, dtype=np.int32))
             offsets.append(offsets[-1] + len(tokens))
-            f.write(json.dumps({"messages": prompt.messages, "conversational": prompt.conversational,
+            f.write(json.dumps({"messages": messages, "conversational": prompt.conversational,
                                 "fields": prompt.fields}, ensure_ascii=False) + "\n")
             kept.append(len(tokens))
     if n == 0:

@@ -111,7 +111,8 @@ DATA_PACKAGES = {"data.layout": {"data.layout"}, "data.remote": {"data.remote", 
                  "data": {"data", "data.layout", "data.remote"}, "data.chat": {"data", "data.layout", "data.chat"},
                  "data.pref": {"data", "data.layout", "data.chat", "data.pref"},
                  "data.classify": {"data", "data.layout", "data.classify"},
-                 "data.grpo": {"data", "data.layout", "data.chat", "data.grpo"}}
+                 "data.grpo": {"data", "data.layout", "data.chat", "data.grpo"},
+                 "data.tokcls": {"data", "data.layout", "data.tokcls"}}
 
 
 def data_package(module: str) -> str:

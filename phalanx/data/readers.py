@@ -313,6 +313,20 @@ def csv_rows(file: Blob, fields: Fields) -> Iterator[tuple]:
         raise ConfigError(f"data file '{path}': cannot read as CSV ({one_line(e)})") from None
 
 
+def hub_label_names(spec: str, field: str, split: str) -> list[str] | None:
+    """The names of a hub dataset's ClassLabel sequence field (e.g. conll2003's ner_tags), or None."""
+    import datasets
+
+    name, _, subset = spec[3:].partition(":")
+    try:
+        features = datasets.load_dataset(name, subset or None, split=split, streaming=True).features
+    except Exception as e:
+        raise ConfigError(f"hub dataset '{spec}' split '{split}': {one_line(e)}") from None
+    feature = (features or {}).get(field)
+    inner = getattr(feature, "feature", None)
+    return list(inner.names) if isinstance(inner, datasets.ClassLabel) else None
+
+
 def hub_rows(spec: str, fields: Fields, split: str) -> Iterator[tuple]:
     """A Hugging Face dataset streamed row by row (a hub name where a network exists, or a local folder)."""
     import datasets  # lazy: ~1 s of start-up, only for hub data

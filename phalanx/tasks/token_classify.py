@@ -156,7 +156,7 @@ class TokenClassifyTask(TaskBase):
                 "train_sentences": int((np.asarray(self.train_set.window) == 0).sum()),
                 "vocab_size": len(self.tokenizer), "max_length": t.max_length,
                 "train_mean_tokens": float(np.mean(lengths)),
-                "train_split_sentences": int((np.asarray(self.train_set.window) == 1).sum())}
+                "train_sentences_in_windows": int((np.asarray(self.train_set.window) == 1).sum())}
 
 
 def sentences(per_window: list[np.ndarray], starts: np.ndarray) -> list[np.ndarray]:
@@ -201,7 +201,7 @@ def entity_metrics(gold: list[np.ndarray], pred: list[np.ndarray], gold_names: l
 def tag_sentences(model, tokenizer, sentences_: list[list[str]], max_length: int, stride: int, batch_size: int,
                   device: torch.device) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each sentence's predicted label id and its probability per word, through the same windows as training."""
-    backend = tokenizer.backend_tokenizer
+    backend = win.unpadded(tokenizer.backend_tokenizer)
     specials = win.specials_of(backend)
     made, where = [], []  # every window, and (sentence, its words' indices) for each
     for s, subwords in enumerate(win.word_pieces(backend, sentences_, specials.unk)):

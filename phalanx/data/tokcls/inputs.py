@@ -4,6 +4,8 @@ rows with the run's tokens field.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from phalanx.core.config import Config, ConfigError
 from phalanx.data import pieces, readers, sources
 
@@ -11,7 +13,8 @@ from phalanx.data import pieces, readers, sources
 def read_sentences(path: str, cfg: Config) -> list[list[str]]:
     t = cfg.token_classify
     split = sources.Split(path, "--input", "test")
-    source = sources.open_source(split, "conll" if cfg.data.format == "conll" else "auto")
+    known = Path(path).suffix in sources.EXTENSIONS  # another name (WNUT's .annotated) is read as CoNLL
+    source = sources.open_source(split, "auto" if known and cfg.data.format != "conll" else "conll")
     f = source.files[0]
     if f.kind == "conll":
         start = readers.content_start(f.blob, "conll")  # after a byte-order mark

@@ -88,9 +88,7 @@ class TagJob:
 
 @lru_cache(maxsize=4)
 def _tokenizer(tokenizer_dir: str) -> tuple[Tokenizer, win.Specials]:
-    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
-    tok.no_padding()
-    tok.no_truncation()  # windows cut long sentences, never the tokenizer
+    tok = win.unpadded(Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json")))
     return tok, win.specials_of(tok)
 
 
@@ -186,6 +184,8 @@ class TokenClassifyFormat(prepare.RecordFormat):
                               f"tags are mixed in the data")
         if split.name == "train":
             names = configured or (tags.ordered(v for r in records for v in r["labels"]) if str in kinds else None)
+            if names is None and split.spec.startswith("hf:"):  # integer tags: the dataset's ClassLabel names
+                names = readers.hub_label_names(split.spec, cfg.token_classify.tags_field, split.name)
             if names is None:
                 raise ConfigError("config key 'token_classify.labels': the tags are integers; name them in id order "
                                   "(e.g. [O, B-PER, I-PER, ...]) or use data whose features name them")

@@ -26,8 +26,25 @@ class Specials:
     unk: int
 
 
+def unpadded(tok):
+    """A copy of a `tokenizers.Tokenizer` that neither pads nor truncates (a saved tokenizer.json may do both:
+    all-MiniLM-L6-v2's pads to 128): windows cut long sentences, never the tokenizer."""
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(tok.to_str())
+    copy.no_padding()
+    copy.no_truncation()
+    return copy
+
+
+def _check(tok) -> None:
+    if tok.padding is not None or tok.truncation is not None:
+        raise ValueError("the tokenizer pads or truncates; use windows.unpadded(tok)")
+
+
 def specials_of(tok) -> Specials:
     """From a `tokenizers.Tokenizer`: the ids its post-processor puts around a single sequence."""
+    _check(tok)
     enc = tok.encode(["a"], is_pretokenized=True, add_special_tokens=True)
     words = [w is not None for w in enc.word_ids]
     first, last = words.index(True), len(words) - 1 - words[::-1].index(True)
@@ -37,6 +54,7 @@ def specials_of(tok) -> Specials:
 
 def word_pieces(tok, sentences: list[list[str]], unk: int) -> list[list[np.ndarray]]:
     """Each word's subword ids, per sentence (one encode_batch call)."""
+    _check(tok)
     out = []
     for enc in tok.encode_batch(sentences, is_pretokenized=True, add_special_tokens=False):
         n = max((w for w in enc.word_ids if w is not None), default=-1) + 1

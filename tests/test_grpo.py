@@ -307,8 +307,8 @@ def test_global_normalisation_and_its_negative_control(tiny, prompts, tmp_path):
 
 
 # ---- whole runs ----------------------------------------------------------------------------------------
-RUN = ["train.global_batch_size=4", "train.max_steps=2", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
-       "dist.threads_per_worker=1", "dist.backend=gloo", "grpo.log_completions_every=1"]
+RUN = ["train.global_batch_size=4", "train.max_steps=2", "train.log_every=1", "train.eval_every=0",
+       "train.checkpoint_every=0", "dist.threads_per_worker=1", "dist.backend=gloo", "grpo.log_completions_every=1"]
 ENV = {"PYTHONPATH": str(TESTS)}
 
 

@@ -62,13 +62,14 @@ def phalanx_side(a, work: Path, base: Path, data: Path) -> dict:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step_time_s" in r]
     return {"step_s": [r["step_time_s"] for r in steps], "rollout_s": [r["rollout_time_s"] for r in steps],
-            "generation_s": [r["time/generation_s"] for r in steps], "reward": [r["reward"] for r in steps],
+            "generation_s": [r["time/generation_s"] for r in steps], "reward": [r["rewards/total/mean"] for r in steps],
             "completion_tokens": [r["completions/mean_length"] * a.prompts * a.g for r in steps]}
 
 
 def trl_side(a, work: Path, base: Path, data: Path, defaults: bool) -> dict:
     out = work / ("trl-defaults.jsonl" if defaults else "trl.jsonl")
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "bench" / "grpo_trl_side.py"),
+    side = str(REPO / "bench" / "grpo_trl_side.py")
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", side,
          "--base", str(base), "--data", str(data), "--out", str(out), "--steps", str(a.steps), "--prompts",
          str(a.prompts), "--g", str(a.g), "--max-new", str(a.max_new), *(["--defaults"] if defaults else [])],
         work / (out.stem + ".log"), work, timeout=3600)

@@ -313,10 +313,10 @@ ENV = {"PYTHONPATH": str(TESTS)}
 
 
 def rollout_metrics(run: Path) -> list[tuple]:
-    keys = ("reward", "completions/mean_length", "completions/min_length", "completions/max_length", "entropy",
-            "frac_reward_zero_std")
+    keys = ("rewards/total/mean", "completions/mean_length", "completions/min_length", "completions/max_length",
+            "policy/entropy", "rewards/frac_zero_std")
     # entropy to 6 significant digits: after step 1 the weights differ in their last bits (another sum order)
-    return [tuple(float(f"{m[k]:.6g}") for k in keys) for m in metrics(run) if "reward" in m]
+    return [tuple(float(f"{m[k]:.6g}") for k in keys) for m in metrics(run) if keys[0] in m]
 
 
 def test_one_process_equals_two_processes_with_accumulation(tiny, prompts, tmp_path, cache_dir):

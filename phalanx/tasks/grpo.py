@@ -291,20 +291,21 @@ class GRPOTask(ChatTask):
         s = dict(zip(ROLLOUT + LOSS, sums))
         steps, world = max(s["steps"], 1.0), self.info.world_size
         n, tokens = max(s["completions"], 1.0), max(s["loss_tokens"], 1.0)
-        out = {"reward": _mean(s["reward_sum"], s["reward_n"]), "reward_std": _std(s["reward_sum"], s["reward_sq"],
-                                                                                   s["reward_n"]),
+        # TRL's names, grouped under a '/' so that `phalanx report` draws them (reward -> rewards/total/mean, ...)
+        out = {"rewards/total/mean": _mean(s["reward_sum"], s["reward_n"]),
+               "rewards/total/std": _std(s["reward_sum"], s["reward_sq"], s["reward_n"]),
                "completions/mean_length": s["completion_tokens"] / n,
                "completions/min_length": float(self.lengths[0]), "completions/max_length": float(self.lengths[1]),
                "completions/clipped_ratio": s["truncated"] / n,
-               "frac_reward_zero_std": s["zero_spread_groups"] / max(s["groups"], 1.0),
-               "entropy": s["entropy_sum"] / max(s["completion_tokens"], 1.0),
+               "rewards/frac_zero_std": s["zero_spread_groups"] / max(s["groups"], 1.0),
+               "policy/entropy": s["entropy_sum"] / max(s["completion_tokens"], 1.0),
                "clip_ratio/low_mean": s["clip_low"] / tokens, "clip_ratio/high_mean": s["clip_high"] / tokens,
                "clip_ratio/region_mean": (s["clip_low"] + s["clip_high"]) / tokens,
                # per step, the mean over ranks (each rank generates its own prompts' completions)
                "time/generation_s": s["generation_s"] / steps, "time/reference_s": s["reference_s"] / steps,
                "completions/per_step": s["completions"] / (steps / world)}
         if self.cfg.grpo.beta:
-            out["kl"] = s["kl_sum"] / tokens
+            out["policy/kl"] = s["kl_sum"] / tokens
         base = len(ROLLOUT) + len(LOSS)
         for j, r in enumerate(self.rewards):
             total, sq, count = sums[base + 3 * j:base + 3 * j + 3]
@@ -332,12 +333,13 @@ class GRPOTask(ChatTask):
 
     def eval_metrics(self, sums: list[float]) -> dict:
         samples, tokens, total, count = sums[:4]
-        out = {"eval/reward": _mean(total, count), "eval/completion_length": tokens / max(samples, 1.0),
+        out = {"eval/reward": _mean(total, count), "eval/completions/mean_length": tokens / max(samples, 1.0),
                "eval/samples": int(samples)}
+        out["eval/rewards/total/mean"] = out["eval/reward"]  # beside its training curve in `phalanx report`
         for j, r in enumerate(self.rewards):
-            out[f"eval/rewards/{r.name}"] = _mean(sums[4 + 2 * j], sums[5 + 2 * j])
+            out[f"eval/rewards/{r.name}/mean"] = _mean(sums[4 + 2 * j], sums[5 + 2 * j])
             if r.name == "math_answer":
-                out["eval/accuracy"] = out[f"eval/rewards/{r.name}"]
+                out["eval/accuracy"] = out[f"eval/rewards/{r.name}/mean"]
         return out
 
     # ---- outputs --------------------------------------------------------------------------------

@@ -8,16 +8,16 @@ Tables (the sides alternate within each seed):
            --steps steps, per seed and mean with a t 95% interval over --seeds; phalanx tags with `phalanx
            predict`, the Trainer side the guide's way (bench/ner_trainer_side.py)
   speed    useful tokens/s (non-padding tokens of the global batches over wall clocks, the first 10 steps
-           untimed) of the same runs: phalanx, the Trainer's defaults (trainer), and the Trainer with
-           group_by_length (trainer-grouped: the same math as phalanx's grouped batches); peak private memory
-           per rank (RssAnon, sampled every 0.2 s)
+           untimed) of the same runs: phalanx, the Trainer's defaults (trainer: random order, dynamic padding,
+           DDP's find_unused_parameters=True), and the Trainer with group_by_length (trainer-grouped: the same
+           math as phalanx's grouped batches); peak private memory per rank (RssAnon, sampled every 0.2 s)
   long     WNUT's sentences joined into documents of 300-1,000 words (train and test files alike; seeded),
            each side trained on the training documents for --long-steps steps (micro 4, global 8) and tagging
            the test documents: words whose labels were trained on, test words predicted, entity F1 on all test
            words (a word without a prediction counts as O). The recipe truncates at the tokenizer's 512.
 
     python bench/ner_wnut.py [--seeds 0,1,2] [--steps 212] [--long-steps 60] [--work DIR]    # ~35-45 min
-    python bench/ner_wnut.py --smoke                     # 1 seed, 20 steps, 6 long steps: ~3-5 min
+    python bench/ner_wnut.py --smoke          # 1 seed, 20 steps, 6 long steps, 200 test sentences: ~3-4 min
 """
 from __future__ import annotations
 
@@ -87,13 +87,13 @@ def phalanx_side(a, out: Path, train: Path, steps: int, seed: int, micro: int, t
            f"data.validation={WNUT / 'emerging.dev.conll'}", f"model.pretrained={MINILM}", f"train.lr={a.lr}",
            "train.warmup_steps=0", "train.weight_decay=0.01", f"train.micro_batch_size={micro}",
            f"train.global_batch_size={total}", f"train.max_steps={steps}", f"train.seed={seed}",
-           "train.log_every=10", "train.eval_every=0", "train.checkpoint_every=0", "train.eval_max_samples=64",
+           f"train.log_every={a.warm}", "train.eval_every=0", "train.checkpoint_every=0", "train.eval_max_samples=64",
            "token_classify.max_length=128", "log.progress=off", f"data.cache_dir={a.work / 'cache'}",
            "--run-dir", str(out), "--nproc-per-node", str(NPROC)]
     peaks = run(cmd, out.with_suffix(".log"), a.work, timeout=3600)
     summary = json.loads((out / "summary.json").read_text())
     result = {"private_mb": [peaks.private[r] for r in sorted(peaks.private)],
-              "train_labelled_words": None, **(phalanx_rate(out, 10) if steps > 20 else {}), "pred": {},
+              "train_labelled_words": None, **(phalanx_rate(out, a.warm) if steps > a.warm else {}), "pred": {},
               "dropped": {}, "summary_eval_f1": summary.get("eval/f1")}
     for path in predict:
         tagged = out.with_name(out.name + f"-{path.stem}.jsonl")
@@ -117,7 +117,8 @@ def trainer_side(a, out: Path, train: Path, steps: int, seed: int, micro: int, t
     peaks = run(cmd, out.with_suffix(".log"), a.work, timeout=3600)
     got = json.loads(Path(f"{out}-pred.json").read_text())
     return {"private_mb": [peaks.private[r] for r in sorted(peaks.private)],
-            "train_labelled_words": got["train_labelled_words"], **(trainer_rate(out, NPROC, 10) if steps > 20 else {}),
+            "train_labelled_words": got["train_labelled_words"],
+            **(trainer_rate(out, NPROC, a.warm) if steps > a.warm else {}),
             "pred": {p.name: got[p.name]["pred"] for p in predict},
             "dropped": {p.name: got[p.name]["dropped_words"] for p in predict}}
 
@@ -125,6 +126,9 @@ def trainer_side(a, out: Path, train: Path, steps: int, seed: int, micro: int, t
 # ---- tables ---------------------------------------------------------------------------------------------
 def quality_and_speed(a, names: list[str], test: list) -> None:
     test_path = WNUT / "emerging.test.annotated"
+    if a.test_sentences:  # the smoke: the first sentences only
+        test = test[:a.test_sentences]
+        test_path = write_conll(a.work / "test-head.conll", test)
     sides = ["phalanx", "trainer", "trainer-grouped"]
     results: dict = {s: [] for s in sides}
     for seed in a.seeds:
@@ -189,12 +193,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=212, help="quality runs: 212 = 2 epochs of the 3,394 sentences")
     p.add_argument("--long-steps", type=int, default=60)
     p.add_argument("--long-test-docs", type=int, default=0, help="0 = all")
+    p.add_argument("--test-sentences", type=int, default=0, help="quality: the first N test sentences; 0 = all")
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--work", default="")
-    p.add_argument("--smoke", action="store_true", help="1 seed, 20 steps, 6 long steps, 4 long test documents")
+    p.add_argument("--smoke", action="store_true", help="1 seed, 20 steps (5 untimed), 6 long steps, 200 test "
+                   "sentences, 4 long test documents")
     a = p.parse_args()
     if a.smoke:
-        a.seeds, a.steps, a.long_steps, a.long_test_docs = "0", 20, 6, 4
+        a.seeds, a.steps, a.long_steps, a.long_test_docs, a.test_sentences = "0", 20, 6, 4, 200
+    a.warm = 5 if a.smoke else 10  # steps not timed (and phalanx's log interval)
     a.seeds = [int(s) for s in a.seeds.split(",")]
     a.work = Path(a.work or f"/tmp/ner-wnut-{int(time.time())}")
     a.work.mkdir(parents=True, exist_ok=True)

@@ -173,6 +173,7 @@ class TokenClassifyConfig:
     max_length: int = setting(128, "subwords per window, special tokens included; a longer sentence is split into "
                               "overlapping windows and each word is predicted by the window where it has the most "
                               "context", min=8, max=65536)
-    stride: int = setting(32, "subwords of context two consecutive windows share (at least; whole words)", min=0)
+    stride: int = setting(32, "subwords of context two consecutive windows share (at least, in whole words; at most "
+                          "half a window)", min=0)
     label_all_subwords: bool = setting(False, "train on every subword of a word (B- becomes I- after the first), not "
                                        "only its first; prediction always reads the first subword")

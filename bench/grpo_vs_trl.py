@@ -79,8 +79,9 @@ def trl_side(a, work: Path, base: Path, data: Path, defaults: bool) -> dict:
     logs = [x["log"] for x in lines if "log" in x and "reward" in x["log"]]
     times = [info["start"]] + [x["time"] for x in ends]
     step_s = [b - e for b, e in zip(times[1:], times[:-1])]
-    return {"step_s": step_s, "rollout_s": [x["rollout_s"] for x in ends], "reward": [x["reward"] for x in logs],
-            "completion_tokens": [x["completions/mean_length"] * a.prompts * a.g for x in logs], "info": info}
+    # transformers 5 hands on_log its values formatted (strings): read them back as numbers
+    return {"step_s": step_s, "rollout_s": [x["rollout_s"] for x in ends], "reward": [float(x["reward"]) for x in logs],
+            "completion_tokens": [float(x["completions/mean_length"]) * a.prompts * a.g for x in logs], "info": info}
 
 
 def generation_alone(a, base: Path) -> dict:

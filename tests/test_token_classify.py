@@ -153,6 +153,20 @@ def test_conll_pieces_cut_only_between_sentences(tmp_path):
     assert all(raw[p.start - 2:p.start] in (b"\n\n", b"\t\n") for p in planned[1:])
 
 
+def test_a_tokenizer_trained_here_learns_the_words(tmp_path, cache_dir):
+    """Without a pretrained model a WordPiece is trained on the training words (not on nothing: then every
+    subword would be [UNK])."""
+    (tmp_path / "t.conll").write_text(conll_text(wnut("wnut17train.conll", 300)), encoding="utf-8")
+    cfg = load_config(None, ["task=token_classify", "model.arch=bert", "data.vocab_size=400",
+                             f"data.train={tmp_path / 't.conll'}", f"data.cache_dir={cache_dir}"])
+    prepare.prepare(cfg, TOKCLS, workers=1, progress=False)
+    data = prepare.open_prepared(cfg, TOKCLS)
+    ids = np.concatenate([np.asarray(data.train.example(i)[0]) for i in range(len(data.train))])
+    from tokenizers import Tokenizer
+    unk = Tokenizer.from_file(str(data.tokenizer_dir / "tokenizer.json")).token_to_id("[UNK]")
+    assert (ids == unk).mean() < 0.05
+
+
 def test_label_order_and_scheme():
     assert tag_names.ordered(["I-PER", "O", "B-PER", "B-LOC", "I-LOC"]) == ["O", "B-LOC", "I-LOC", "B-PER", "I-PER"]
     names = ["O", "B-PER", "I-PER"]

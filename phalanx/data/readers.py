@@ -234,10 +234,10 @@ def texts_of(value, kind: str) -> list[str]:
     """The text a row's value holds, for training a tokenizer: a text field, or every string of a record."""
     if kind == "text":
         return [value]
-    if kind != "record":
-        return []
     if kind == "words":
         return [" ".join(value)]
+    if kind != "record":
+        return []
     if isinstance(value, str):
         return [value]
     items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()

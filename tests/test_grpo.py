@@ -337,8 +337,6 @@ def test_one_process_equals_two_processes_with_accumulation(tiny, prompts, tmp_p
         p, q = final_params(runs[other]), final_params(base)
         for name in q:
             torch.testing.assert_close(p[name], q[name], rtol=1e-5, atol=1e-5, msg=name)  # Adam magnifies last bits
-    reply = phalanx("chat", base, "--message", "What is 2 + 2?", "--max-new-tokens", 4, check=True)  # RUN/final chats
-    assert reply.stdout.strip()
     logged = [json.loads(x) for x in (base / "completions.jsonl").read_text().splitlines()]
     assert {x["step"] for x in logged} == {1, 2} and "grpo_test_rewards:length_reward" in logged[0]["rewards"]
 
@@ -361,6 +359,7 @@ def test_sigkill_mid_run_resumes_bitwise(tiny, prompts, tmp_path, cache_dir):
     assert rollout_metrics(run)[-2:] == rollout_metrics(ref)[-2:]
     p, q = final_params(run), final_params(ref)
     assert all(torch.equal(p[k], q[k]) for k in q)
+    phalanx("chat", run, "--message", "What is 2 + 2?", "--max-new-tokens", 4, check=True)  # RUN/final is a chat model
 
 
 def test_the_example_config_loads():

@@ -69,10 +69,9 @@ class Sampler:
         stops = self.stops.to(device)
         try:
             with self.autocast():
-                cache = DynamicCache()
-                out = model(input_ids=torch.as_tensor(prompt, device=device)[None], past_key_values=cache,
-                            use_cache=True, logits_to_keep=1)
-                cache = out.past_key_values
+                cache = DynamicCache()  # filled in place by each forward (transformers 5's `cache` argument)
+                out = model(input_ids=torch.as_tensor(prompt, device=device)[None], cache=cache, use_cache=True,
+                            logits_to_keep=1)
                 cache.batch_repeat_interleave(n)
                 logits = out.logits[:, -1].float().expand(n, -1)
                 live = np.arange(n)  # the rows still writing, in cache order
@@ -88,7 +87,7 @@ class Sampler:
                         keep = np.flatnonzero(~stopped)
                         cache.batch_select_indices(torch.as_tensor(keep, device=device))
                         live, picked = live[keep], picked[torch.as_tensor(keep, device=device)]
-                    out = model(input_ids=picked[:, None], past_key_values=cache, use_cache=True)
+                    out = model(input_ids=picked[:, None], cache=cache, use_cache=True)
                     logits = out.logits[:, -1].float()
         finally:
             model.train(was_training)

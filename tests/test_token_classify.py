@@ -433,15 +433,24 @@ def test_export_loads_in_transformers_and_runs_in_the_pipeline(runs):
     assert len(out) >= 9 and all(o["entity"] in summary["labels"] for o in out)
 
 
-def test_eval_stores_each_validation_word_once(runs, data, tiny_bert, cache_dir):
+def test_eval_stores_each_validation_word_once(data, tiny_bert, cache_dir):
     folder, val = data
     cfg = cfg_for(tiny_bert, folder / "train.conll", folder / "val.conll", cache_dir)
+    prepare.prepare(cfg, TOKCLS, workers=1, progress=False)
     validation: TaggedSet = prepare.open_prepared(cfg, TOKCLS).validation
     assert len(validation) > len(val)  # the long sentence is in several windows
     assert sum(len(g) for g in validation.gold()) == sum(len(t) for _, t in val)
     assert int(np.asarray(validation.lengths).max()) <= 32
 
 
-def test_check_refuses_a_config_error_not_a_crash(tmp_path):
-    with pytest.raises(ConfigError, match="token_classify.max_length"):
-        load_config(None, ["task=token_classify", "token_classify.max_length=4"])
+
+def test_show_prints_each_word_once_beside_its_subwords_and_label(data, tiny_bert, cache_dir):
+    folder, val = data
+    cfg = cfg_for(tiny_bert, folder / "val.conll", None, cache_dir, "data.val_fraction=0")
+    prepare.prepare(cfg, TOKCLS, workers=1, progress=False)
+    shown = TOKCLS.show(cfg, 21).split("--- sentence ")[1:]
+    long = shown[20]  # the sentence longer than a window
+    assert "[window 1:" in long and long.startswith(f"20 ({len(val[20][0])} words, ")
+    labelled = [line.split() for line in long.splitlines()[1:] if line.strip() and not line.startswith("[")
+                and not line.rstrip().endswith("-100")]
+    assert [row[0] for row in labelled] == val[20][0] and [row[-1] for row in labelled] == val[20][1]

@@ -56,8 +56,8 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
 TASK_SECTIONS = frozenset(s for spec in TASKS.values() for s in spec.sections)
 
 # Every command that uses a finished run, and what it does (for the error naming the right one).
-RUN_COMMANDS = {"generate": "samples text from a language model", "predict": "labels texts with a classifier",
-                "chat": "talks with a chat model"}
+RUN_COMMANDS = {"generate": "samples text from a language model",
+                "predict": "labels texts with a classifier or words with a tagger", "chat": "talks with a chat model"}
 
 
 def task_spec(name: str) -> TaskSpec:

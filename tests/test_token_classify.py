@@ -280,7 +280,8 @@ def test_byte_level_bpe_gets_add_prefix_space(tmp_path, cache_dir):
     byte_level_tokenizer(folder)
     (tmp_path / "t.conll").write_text(conll_text(wnut("wnut17train.conll", 20)), encoding="utf-8")
     cfg = load_config(None, ["task=token_classify", "model.arch=roberta", f"data.tokenizer={folder}",
-                             f"data.train={tmp_path / 't.conll'}", f"data.cache_dir={cache_dir}"])
+                             f"data.train={tmp_path / 't.conll'}", f"data.cache_dir={cache_dir}", "model.n_layer=1",
+                             "model.n_head=2", "model.n_embd=32"])
     prepare.prepare(cfg, TOKCLS, workers=1, progress=False)
     tok_dir = prepare.tokenizer_folder(cfg, TOKCLS)
     ours = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
@@ -296,6 +297,12 @@ def test_byte_level_bpe_gets_add_prefix_space(tmp_path, cache_dir):
     assert w.ids[0] == ours.token_to_id("<s>") and w.ids[-1] == ours.token_to_id("</s>")
     saved = AutoTokenizer.from_pretrained(tok_dir)  # what RUN/final saves and transformers loads
     assert saved(words, is_split_into_words=True)["input_ids"] == w.ids.tolist()
+    import torch
+
+    from phalanx.tasks.token_classify import TokenClassifyTask
+    model = TokenClassifyTask.model_for(cfg, ours.get_vocab_size(), ours.token_to_id("<pad>"), ["O", "B-X", "I-X"])
+    assert type(model).__name__ == "RobertaForTokenClassification"
+    assert model(input_ids=torch.tensor([w.ids])).logits.shape == (1, len(w.ids), 3)
 
 
 # ---- windows ----------------------------------------------------------------------------------------------

@@ -146,7 +146,9 @@ def classifier(m: ModelConfig, vocab_size: int, pad_id: int, max_length: int, id
                   intermediate_size=4 * m.n_embd, hidden_dropout_prob=m.dropout,
                   attention_probs_dropout_prob=m.dropout, **common)
         if m.arch == "roberta":
-            return RobertaModel(RobertaConfig(max_position_embeddings=max_length + 2, **kw))
+            # RoBERTa numbers positions from padding_idx + 1: a tokenizer whose pad id is not 0 or 1 (a byte-level
+            # BPE with <pad> added last) needs that many more rows
+            return RobertaModel(RobertaConfig(max_position_embeddings=max_length + max(pad_id, 1) + 1, **kw))
         return BertModel(BertConfig(max_position_embeddings=max_length, **kw))
 
 

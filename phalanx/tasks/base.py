@@ -51,6 +51,10 @@ class Task(Protocol):
     def train_metrics(self, sums: list[float]) -> dict: ...
     def eval_sums(self, model, batch: dict) -> list[float]: ...
     def eval_metrics(self, sums: list[float]) -> dict: ...
+    # A task whose metric is not a sum over batches (entity F1) sets EVAL_OUTPUTS = True: its eval_sums returns
+    # (sums, one output per sample), the evaluator gathers the outputs in sample order across the ranks and calls
+    # eval_metrics(sums, outputs) on every rank
+    EVAL_OUTPUTS: bool
     def summary_extra(self) -> dict: ...
     def next_commands(self, run_dir) -> list[str]: ...
 
@@ -61,6 +65,7 @@ class TaskBase:
     ARCHS: tuple[str, ...] = ()
     FORMAT: prepare.RecordFormat  # the record format of the task's stores (data/prepare.py)
     MISMATCHED = "error"  # a pretrained tensor of another shape: an error, or "init" (initialised anew)
+    EVAL_OUTPUTS = False  # eval_sums returns sums only (see Task.EVAL_OUTPUTS)
 
     def __init__(self, cfg: Config, info):
         self.cfg, self.info = cfg, info

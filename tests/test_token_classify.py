@@ -217,6 +217,16 @@ def test_bad_input_in_the_data_step_names_file_and_line(case, tmp_path, tiny_ber
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_window_longer_than_the_encoder_is_refused(tiny_bert):
+    from phalanx.tasks.token_classify import TokenClassifyTask
+
+    TokenClassifyTask.check_config(load_config(None, ["task=token_classify", f"model.pretrained={tiny_bert}",
+                                                      "token_classify.max_length=64"]))  # its 64 positions
+    with pytest.raises(ConfigError, match="'token_classify.max_length': 65 is more than the 64 positions"):
+        TokenClassifyTask.check_config(load_config(None, ["task=token_classify", f"model.pretrained={tiny_bert}",
+                                                          "token_classify.max_length=65"]))
+
+
 def test_unknown_validation_tag_is_counted_and_scored_as_missed(tmp_path, tiny_bert, cache_dir):
     (tmp_path / "t.conll").write_text("a\tO\nb\tB-X\nc\tI-X\n", encoding="utf-8")
     (tmp_path / "v.conll").write_text("a\tO\nb\tB-NEW\nc\tI-NEW\n\nd\tB-X\n", encoding="utf-8")

@@ -10,11 +10,14 @@ ranks and seqeval scores the whole validation set once.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from phalanx.core.config import Config, group_by_length, hub_name
+from phalanx.core.config import Config, ConfigError, group_by_length, hub_name
 from phalanx.data import prepare
 from phalanx.data import tokenizer as toks
 from phalanx.data.samplers import length_grouped_order, shuffled_order
@@ -43,6 +46,17 @@ class TokenClassifyTask(TaskBase):
         self.scheme = ""
         self.use_types = False
         self.continued = np.zeros(0, dtype=np.int64)
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        """A window longer than the pretrained encoder's positions is exit 2 in the launcher, not an index error in
+        every worker."""
+        super().check_config(cfg)
+        positions, length = encoder_positions(cfg), cfg.token_classify.max_length
+        if positions and length > positions:
+            raise ConfigError(f"config key 'token_classify.max_length': {length} is more than the {positions} "
+                              f"positions of '{cfg.model.pretrained}'; lower it to {positions} or less (longer "
+                              f"sentences are cut into windows anyway)")
 
     # ---- data -------------------------------------------------------------------------------
     def open_data(self) -> None:
@@ -157,6 +171,22 @@ class TokenClassifyTask(TaskBase):
                 "vocab_size": len(self.tokenizer), "max_length": t.max_length,
                 "train_mean_tokens": float(np.mean(lengths)),
                 "train_sentences_in_windows": int((np.asarray(self.train_set.window) == 1).sum())}
+
+
+def encoder_positions(cfg: Config) -> int | None:
+    """Tokens a pretrained encoder (a local folder) takes: its position embeddings, less RoBERTa's offset (its
+    positions start after the padding id); None from scratch or for a hub name (read when it is built)."""
+    if not cfg.model.pretrained:
+        return None
+    config = Path(hub_name(cfg.model.pretrained)) / "config.json"
+    if not config.is_file():
+        return None
+    raw = json.loads(config.read_text(encoding="utf-8"))
+    positions = raw.get("max_position_embeddings")
+    if not positions:
+        return None
+    offset = raw.get("pad_token_id", 1) + 1 if raw.get("model_type") in ("roberta", "xlm-roberta", "camembert") else 0
+    return positions - offset
 
 
 def sentences(per_window: list[np.ndarray], starts: np.ndarray) -> list[np.ndarray]:

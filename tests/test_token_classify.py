@@ -471,3 +471,30 @@ def test_show_prints_each_word_once_beside_its_subwords_and_label(data, tiny_ber
     labelled = [line.split() for line in long.splitlines()[1:] if line.strip() and not line.startswith("[")
                 and not line.rstrip().endswith("-100")]
     assert [row[0] for row in labelled] == val[20][0] and [row[-1] for row in labelled] == val[20][1]
+
+
+def test_collate_labels_first_subwords_or_all_of_them():
+    """A word of three subwords tagged B-PER: labelled on its first subword, or B-PER then I-PER twice with
+    label_all_subwords; padding, special tokens and an unknown validation tag (id past the labels) are IGNORE."""
+    from types import SimpleNamespace
+
+    from phalanx.tasks.token_classify import IGNORE, TokenClassifyTask
+
+    specials = win.Specials((101,), (102,), 100)
+    made = [win.windows(p, t, specials, 32, 8)[0] for p, t in
+            (([np.array([5]), np.array([6, 7, 8])], [0, 1]), ([np.array([9])], [3]))]  # id 3: not a model label
+    ids = np.concatenate([w.ids for w in made])
+    offsets = np.cumsum([0] + [len(w.ids) for w in made])
+    labels = np.concatenate([np.where(w.tags >= 0, w.tags, -1) for w in made])
+    dataset = TaggedSet(ids, np.concatenate([w.words for w in made]), labels, offsets, np.array([2, 1]),
+                        np.array([0, 0]))
+    for every, expected in ((False, [IGNORE, 0, 1, IGNORE, IGNORE, IGNORE]), (True, [IGNORE, 0, 1, 2, 2, IGNORE])):
+        cfg = load_config(None, ["task=token_classify", f"token_classify.label_all_subwords={str(every).lower()}"])
+        task = TokenClassifyTask(cfg, None)
+        task.tokenizer, task.names = SimpleNamespace(pad_token_id=0), ["O", "B-PER", "I-PER"]
+        task.continued = np.asarray(tag_names.continuation(task.names) + [IGNORE])
+        batch = task.collate(dataset, [0, 1])
+        assert batch["labels"][0].tolist() == expected
+        assert batch["labels"][1].tolist() == [IGNORE] * 6  # tag id 3: no label of the model; padded
+        assert batch["owned"][1].tolist() == [False, True, False, False, False, False]
+        assert task.target_count(batch) == (4 if every else 2)

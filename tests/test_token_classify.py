@@ -413,9 +413,13 @@ def test_metrics_equal_seqeval_on_the_gathered_words_at_1_2_3_processes(runs, da
 
 def test_predict_writes_conll_and_jsonl_with_entities(runs, data, tmp_path):
     _, val = data
-    (tmp_path / "in.conll").write_text("".join("".join(f"{w}\n" for w in words) + "\n" for words, _ in val),
-                                       encoding="utf-8")
-    phalanx("predict", runs[1], "--input", tmp_path / "in.conll", "--output", tmp_path / "out.conll", check=True)
+    # the first sentence with its tags (one the model has no label for), the others words only
+    first = "".join(f"{w}\t{'B-alien' if k == 0 else t}\n" for k, (w, t) in enumerate(zip(*val[0])))
+    (tmp_path / "in.conll").write_text(first + "\n" + "".join("".join(f"{w}\n" for w in words) + "\n"
+                                                              for words, _ in val[1:]), encoding="utf-8")
+    proc = phalanx("predict", runs[1], "--input", tmp_path / "in.conll", "--output", tmp_path / "out.conll",
+                   check=True)
+    assert "carry tags the model has no label for" in proc.stderr and "B-alien (1)" in proc.stderr
     blocks = (tmp_path / "out.conll").read_text(encoding="utf-8").strip("\n").split("\n\n")
     assert len(blocks) == len(val)
     for block, (words, _) in zip(blocks, val):

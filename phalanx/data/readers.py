@@ -388,7 +388,7 @@ def conll_sentences(text: str, spec: tuple[int, int, str], where, first_line: in
                               f"{'tab or space' if sep == 'auto' else repr(sep)} separator)")
         try:
             word = cols[word_col].strip()
-            tag = cols[tag_col].strip() if tags and len(cols) > 1 else ""
+            tag = cols[tag_col].strip() if len(cols) > 1 else ""  # text to tag may carry its tags: kept
         except IndexError:
             raise ConfigError(f"{where(n)}: {len(cols)} columns, but token_classify.token_column is {word_col} and "
                               f"token_classify.tag_column is {tag_col}") from None

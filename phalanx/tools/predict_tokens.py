@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from phalanx.tools.predict import launch
 
 
 def run(args, cfg: Config) -> int:
-    sentences = inputs.read_sentences(args.input, cfg)  # checked here, before any worker starts
+    sentences, carried = inputs.read_sentences(args.input, cfg)  # checked here, before any worker starts
     if args.nproc_per_node > 1 and not dist.under_torchrun():
         return launch(args)
     info = dist.setup(cfg.dist.backend, timeout_s=cfg.dist.timeout_s) if dist.under_torchrun() else None
@@ -44,6 +45,10 @@ def run(args, cfg: Config) -> int:
     if rank == 0:
         names = [model.config.id2label[i] for i in range(model.config.num_labels)]
         write(sentences, tagged, names, args.output)
+        unknown = Counter(t for t in carried if t not in set(names))
+        if unknown:  # the input's own tags (a labelled file): those the model cannot predict, counted
+            print(f"phalanx: predict: {sum(unknown.values())} words of '{args.input}' carry tags the model has no "
+                  f"label for: {', '.join(f'{k} ({v})' for k, v in unknown.most_common(10))}", file=sys.stderr)
     if info:
         dist.teardown()
     return EXIT_OK

@@ -10,7 +10,8 @@ from phalanx.core.config import Config, ConfigError
 from phalanx.data import pieces, readers, sources
 
 
-def read_sentences(path: str, cfg: Config) -> list[list[str]]:
+def read_sentences(path: str, cfg: Config) -> tuple[list[list[str]], list[str]]:
+    """The sentences' words, and the tags a CoNLL input carries in its tag column (all of them, in order)."""
     t = cfg.token_classify
     split = sources.Split(path, "--input", "test")
     known = Path(path).suffix in sources.EXTENSIONS  # another name (WNUT's .annotated) is read as CoNLL
@@ -20,15 +21,16 @@ def read_sentences(path: str, cfg: Config) -> list[list[str]]:
         start = readers.content_start(f.blob, "conll")  # after a byte-order mark
         text = readers.decode(f.blob.read(start, f.size), f.blob, start)
         where = lambda n: f"data file '{path}' line {n + 1}"  # noqa: E731
-        found = [words for words, _, _ in
-                 readers.conll_sentences(text, (t.token_column, t.tag_column, t.separator), where, 0, tags=False)]
+        parsed = readers.conll_sentences(text, (t.token_column, t.tag_column, t.separator), where, 0, tags=False)
+        found, carried = [words for words, _, _ in parsed], [tag for _, tags, _ in parsed for tag in tags if tag]
     elif f.kind in ("jsonl", "parquet"):
         fields = ((t.tokens_field, "words"),)
         found = [list(row[0]) for piece in pieces.plan(source, fields, 1 << 40)
                  for batch, _ in pieces.rows(piece, fields) for row in batch]
+        carried = []
     else:
         raise ConfigError(f"--input: '{path}' is {f.kind}; token_classify reads CoNLL (.conll), JSON Lines or Parquet "
                           f"with the field '{t.tokens_field}'")
     if not found:
         raise ConfigError(f"data file '{path}': no sentences")
-    return found
+    return found, carried

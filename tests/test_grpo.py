@@ -21,7 +21,7 @@ from phalanx.core.config import ConfigError, load_config
 from phalanx.data.grpo import arithmetic, store
 from phalanx.model.sampling import Sampler, Sampling
 from phalanx.tasks import grpo_loss as L
-from phalanx.tasks.grpo import GRPOTask
+from phalanx.tasks.grpo import ROLLOUT, GRPOTask
 from phalanx.tasks.grpo_rewards import answer_number, load_rewards, reference_number, score
 
 TESTS = Path(__file__).parent
@@ -286,6 +286,30 @@ def test_the_loss_of_each_type_equals_a_float64_script(tiny, prompts, tmp_path, 
     # the gradient is the policy gradient: d loss / d logp_t = -A / (normaliser) per token
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainee.model.parameters())
+
+
+def test_the_adapters_off_reference_under_lora(tiny, prompts, tmp_path):
+    """beta > 0 under LoRA: the reference is the policy with its adapters off (no second copy). At the start (B = 0)
+    it equals the policy's log-probs; once the adapters move it stays the base's, and the KL is no longer 0."""
+    task, trainee = make_task(tiny, prompts, tmp_path / "cache", "model.lora.r=4", "grpo.beta=0.1")
+    assert task.reference is None
+    (batch,) = task.rollout(trainee, [task.collate(task.train_set, [0, 1])], step=0)
+    with torch.no_grad():
+        policy = task._token_logps(trainee.model, batch)
+    torch.testing.assert_close(batch["ref_logps"], policy, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        for name, p in trainee.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05)
+    (moved,) = task.rollout(trainee, [task.collate(task.train_set, [0, 1])], step=0)
+    _, sums = task.step_loss(trainee.model, moved, task.step_counts(moved))
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():  # the base, loaded apart
+        base = task._token_logps(AutoModelForCausalLM.from_pretrained(tiny).eval(), moved)
+    torch.testing.assert_close(moved["ref_logps"], base, rtol=0, atol=1e-6)
+    assert sums[len(ROLLOUT) + 3] > 0  # the KL sum
+    assert all(p.requires_grad for n, p in trainee.model.named_parameters() if "lora_" in n)
 
 
 def test_global_normalisation_and_its_negative_control(tiny, prompts, tmp_path):

@@ -346,9 +346,11 @@ def rollout_metrics(run: Path) -> list[tuple]:
 def test_one_process_equals_two_processes_with_accumulation(tiny, prompts, tmp_path, cache_dir):
     """The same completions (their lengths, rewards and entropies, summed over every rank), losses and final
     weights on 1 process (one micro-batch of 4 prompts) and on 2 processes with accumulation 2 (micro-batches
-    of 1 prompt). Accumulation alone on one process: test_global_normalisation_and_its_negative_control."""
-    runs = {}
+    of 1 prompt), rewards scaled by the batch's std. Accumulation alone:
+    test_global_normalisation_and_its_negative_control."""
+    runs = {}  # scale_rewards=batch: the std of the whole global batch, all-reduced inside the rollout
     for name, extra, nproc in [("one", ["train.micro_batch_size=4"], 1), ("ddp2", ["train.micro_batch_size=1"], 2)]:
+        extra.append("grpo.scale_rewards=batch")
         runs[name] = tmp_path / name
         phalanx("train", *grpo_args(tiny, prompts, cache_dir, *RUN, *extra), "--run-dir", runs[name],
                 "--nproc-per-node", nproc, env=ENV, check=True, timeout=240)

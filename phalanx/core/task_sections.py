@@ -153,7 +153,8 @@ class GRPOConfig:
     disable_dropout: bool = setting(False, "zero every dropout of the policy (as preference.disable_dropout); TRL's "
                                     "GRPOConfig.disable_dropout defaults to false")
     log_completions_every: int = setting(0, "every this many steps, log a few sampled completions with their rewards "
-                                         "to metrics.jsonl (event 'completions'); 0 = never", min=0)
+                                         "(rank 0's, with prompt and advantage) to RUN/completions.jsonl; 0 = never",
+                                         min=0)
     log_completions_count: int = setting(4, "completions logged each time", min=1)
     eval_max_tokens: int = setting(0, "evaluation's greedy completions: most tokens; 0 = max_completion_length", min=0)
 

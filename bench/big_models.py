@@ -168,10 +168,22 @@ def table(results: list[dict]) -> str:
         peak = max(r["private_peak_gb"], default=0)  # the targets hold on private memory
         ratio = f"{r['planned_gb'] / peak:.2f}" if r["ok"] and peak and r["planned_gb"] else "-"
         lines.append(f"| {r['strategy']} | {r['size_b']} | {r['parameters'] or '-'} | {'yes' if r['ok'] else 'NO'} | "
-                     f"{' / '.join(map(str, r['private_peak_gb'])) or '-'} | "
-                     f"{' / '.join(map(str, r['peak_rss_gb'])) or '-'} | {r['planned_gb'] or '-'} | {ratio} | "
+                     f"{per_rank(r['private_peak_gb'])} | "
+                     f"{per_rank(r['peak_rss_gb'])} | {r['planned_gb'] or '-'} | {ratio} | "
                      f"{r['step_s'] and round(r['step_s'], 2) or '-'} | {r['why']} |")
     return "\n".join(lines)
+
+
+def report(path: Path, results: list[dict], table, header: str) -> None:
+    """The ladder's results as JSON at `path`, then its header and table on stdout."""
+    path.write_text(json.dumps(results, indent=1))
+    print(f"\n{header}\n")
+    print(table(results))
+
+
+def per_rank(values) -> str:
+    """A table cell of per-rank values: 'a / b', '-' where there are none."""
+    return " / ".join(map(str, values)) or "-"
 
 
 def main() -> None:
@@ -198,10 +210,8 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             if not r["ok"]:
                 break
-    (work / "big_models.json").write_text(json.dumps(results, indent=1))
-    print(f"\n{args.steps} steps, block {args.block}, micro-batch 1, 2 processes, limit {args.limit_gb} GB per run, "
-          f"{os.cpu_count()} cores; results in {work}\n")
-    print(table(results))
+    report(work / "big_models.json", results, table, f"{args.steps} steps, block {args.block}, micro-batch 1, 2 "
+           f"processes, limit {args.limit_gb} GB per run, {os.cpu_count()} cores; results in {work}")
 
 
 if __name__ == "__main__":

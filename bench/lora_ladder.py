@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from big_models import run_limited
+from big_models import per_rank, report, run_limited
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -132,7 +132,7 @@ def table(rows: list[dict]) -> str:
         step = f"{r['step_s']:.1f}" if r["step_s"] else "-"
         ok, trained = ("yes" if r["ok"] else "NO"), ("yes" if r["trained"] else f"NO ({r['steps_done']})")
         lines.append(f"| {r['config']} | {r['size_b']} | {r['parameters'] / 1e9:.2f} B | {trained} | {ok} | "
-                     f"{' / '.join(map(str, r['private_peak_gb'])) or '-'} | {r['planned_gb'] or '-'} | {ratio} | "
+                     f"{per_rank(r['private_peak_gb'])} | {r['planned_gb'] or '-'} | {ratio} | "
                      f"{step} | {r['why']} |")
     return "\n".join(lines)
 
@@ -165,10 +165,9 @@ def main() -> None:
             if not r["trained"]:
                 failed.add(name)
     shutil.rmtree(work / "base", ignore_errors=True)
-    (work / "lora_ladder.json").write_text(json.dumps(rows, indent=1))
-    print(f"\nLoRA r=16, chat, block 64, micro-batch 1, 2 processes, bf16 compute, {args.steps} steps, limit "
-          f"{args.limit_gb} GB per run, {os.cpu_count()} cores shared with other work; results in {work}\n")
-    print(table(rows))
+    report(work / "lora_ladder.json", rows, table, f"LoRA r=16, chat, block 64, micro-batch 1, 2 processes, bf16 "
+           f"compute, {args.steps} steps, limit {args.limit_gb} GB per run, {os.cpu_count()} cores shared with other "
+           f"work; results in {work}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from big_models import run_limited
+from big_models import per_rank, report, run_limited
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "wikitext2" / "validation.txt"
@@ -90,7 +90,7 @@ def table(results: list[dict]) -> str:
         ratio = f"{whole / steps:.3f}" if steps else "-"
         plan = f"{r['planned_gb'] / steps:.2f}" if steps and r["planned_gb"] else "-"
         lines.append(f"| {r['world']} | {r.get('accum', 1)} | {'yes' if r['ok'] else 'NO'} | " + " | ".join(cols) +
-                     f" | {ratio} | {' / '.join(map(str, r['sampled_private_gb'])) or '-'} | {r['planned_gb']} | "
+                     f" | {ratio} | {per_rank(r['sampled_private_gb'])} | {r['planned_gb']} | "
                      f"{plan} | {' '.join(_short(r.get('overrides', [])))} |")
     return "\n".join(lines)
 
@@ -126,10 +126,9 @@ def main() -> None:
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(r) + "\n")
-    (work / "phases.json").write_text(json.dumps(results, indent=1))
-    print(f"\n{args.task}, block {args.block}, micro-batch {args.micro} x {args.accum} per step, {args.steps} steps, "
-          f"limit {args.limit_gb} GB per run (shared 2-core machine); private memory per rank (ranks separated by /)\n")
-    print(table(results))
+    report(work / "phases.json", results, table, f"{args.task}, block {args.block}, micro-batch {args.micro} x "
+           f"{args.accum} per step, {args.steps} steps, limit {args.limit_gb} GB per run (shared 2-core machine); "
+           f"private memory per rank (ranks separated by /)")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from itertools import chain
 
 import torch
 from datasets import load_dataset
+from hf_sides import add_step_args
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -97,16 +98,10 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8000)
     p.add_argument("--max-length", type=int, default=128, help="classify: truncation length")
     p.add_argument("--block", type=int, default=128, help="lm: tokens per sequence")
-    p.add_argument("--micro", type=int, required=True)
-    p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--warmup", type=int, default=0)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    add_step_args(p, lr=5e-4, weight_decay=0.0)
     p.add_argument("--beta2", type=float, default=0.999)
     p.add_argument("--group", action="store_true", help="train_sampling_strategy=group_by_length")
     p.add_argument("--pretrained", action="store_true", help="start from --final's weights (else a fresh init)")
-    p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--eval", default="", help="classify: score this file after training (rank 0)")
     p.add_argument("--out", required=True, help="prefix of the per-rank step files")
     p.add_argument("--work", required=True)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from hf_sides import add_trl_args, lora_config, train_counted
 from trl import DPOConfig, DPOTrainer
 
 
@@ -87,22 +88,11 @@ class StepClock(TrainerCallback):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--base", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--max-length", type=int, default=256)
-    p.add_argument("--micro", type=int, required=True, help="pairs per device per micro-batch")
-    p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, default=0)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    add_trl_args(p, "pairs, JSONL (prompt, chosen, rejected)", lr=1e-4, weight_decay=0.0)
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--sft-weight", type=float, default=0.0)
     p.add_argument("--precompute", action="store_true", help="precompute_ref_log_probs=True")
-    p.add_argument("--gc", choices=["default", "on", "off"], default="default")
     p.add_argument("--lora", type=int, default=0, help="peft LoRA rank (0 = full fine-tuning)")
-    p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--save", default="", help="write the trained model (LoRA merged) and tokenizer here")
     p.add_argument("--out", required=True)
     p.add_argument("--work", required=True)
@@ -119,22 +109,10 @@ def main() -> None:
         disable_tqdm=True, **gc, **loss)
     tok = AutoTokenizer.from_pretrained(a.base)
     model = AutoModelForCausalLM.from_pretrained(a.base, dtype=torch.float32)
-    peft = None
-    if a.lora:
-        from peft import LoraConfig
-
-        peft = LoraConfig(r=a.lora, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
-                          task_type="CAUSAL_LM")
     data = load_dataset("json", data_files=a.data, split="train")
-    trainer = ProbedDPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok, peft_config=peft)
-    trainer.probes = []
-    trainer.data_collator = collator = CountingCollator(trainer.data_collator)
-    trainer.add_callback(StepClock(trainer, collator, a.accum, f"{a.out}-{args.process_index}.jsonl"))
-    trainer.train()
-    if a.save and trainer.is_world_process_zero():
-        trained = trainer.model.merge_and_unload() if a.lora else trainer.model
-        trained.save_pretrained(a.save)
-        tok.save_pretrained(a.save)
+    trainer = ProbedDPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
+                               peft_config=lora_config(a.lora, 16, 0.0))
+    train_counted(trainer, tok, a, CountingCollator, StepClock)
 
 
 if __name__ == "__main__":

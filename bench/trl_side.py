@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from hf_sides import add_trl_args, lora_config, train_counted
 from trl import SFTConfig, SFTTrainer
 
 
@@ -108,26 +109,15 @@ class StepClock(TrainerCallback):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--base", required=True, help="model + tokenizer (with the chat template) folder")
-    p.add_argument("--data", required=True, help="conversations, JSONL, messages format")
-    p.add_argument("--max-length", type=int, default=256)
-    p.add_argument("--micro", type=int, required=True, help="per-device batch: conversations, or packed rows")
-    p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--warmup", type=int, default=0)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    add_trl_args(p, "conversations, JSONL: messages or prompt-completion format", lr=3e-4, weight_decay=0.1)
     p.add_argument("--beta1", type=float, default=0.9)
     p.add_argument("--beta2", type=float, default=0.95)
     p.add_argument("--assistant-only", action="store_true", help="assistant_only_loss=True")
     p.add_argument("--packing", action="store_true", help="packing=True (TRL's bfd: padding-free)")
     p.add_argument("--group", action="store_true", help="train_sampling_strategy=group_by_length")
-    p.add_argument("--gc", choices=["default", "on", "off"], default="default", help="gradient checkpointing")
     p.add_argument("--lora", type=int, default=0, help="peft LoRA rank (0 = full fine-tuning)")
     p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--lora-dropout", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--save", default="", help="write the trained model (LoRA merged) and tokenizer here")
     p.add_argument("--log-every", type=int, default=10_000, help="TRL's logging_steps")
     p.add_argument("--out", required=True, help="prefix of the per-rank step files")
@@ -146,21 +136,9 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(a.base)
     model = AutoModelForCausalLM.from_pretrained(a.base, dtype=torch.float32)
     data = load_dataset("json", data_files=a.data, split="train")
-    peft = None
-    if a.lora:
-        from peft import LoraConfig
-
-        peft = LoraConfig(r=a.lora, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
-                          target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = ProbedSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok, peft_config=peft)
-    trainer.probes = []
-    trainer.data_collator = collator = CountingCollator(trainer.data_collator)
-    trainer.add_callback(StepClock(trainer, collator, a.accum, f"{a.out}-{args.process_index}.jsonl"))
-    trainer.train()
-    if a.save and trainer.is_world_process_zero():
-        trained = trainer.model.merge_and_unload() if a.lora else trainer.model
-        trained.save_pretrained(a.save)
-        tok.save_pretrained(a.save)
+    trainer = ProbedSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
+                               peft_config=lora_config(a.lora, a.lora_alpha, a.lora_dropout))
+    train_counted(trainer, tok, a, CountingCollator, StepClock)
 
 
 if __name__ == "__main__":

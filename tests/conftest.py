@@ -27,6 +27,24 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def s3():
+    """A real S3-compatible server on 127.0.0.1 (tests/s3server.py), this process's environment pointed at it."""
+    from s3server import S3Server
+
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory) -> str:
+    """A tokenizer trained on Tiny Shakespeare's first 2,000 non-empty lines (the object-storage tests)."""
+    from test_prepare import tokenizer_dir
+
+    lines = [line for line in SHAKESPEARE.read_text(encoding="utf-8").splitlines() if line.strip()][:2000]
+    return str(tokenizer_dir(tmp_path_factory.mktemp("tok"), "\n".join(lines)))
+
+
+@pytest.fixture(scope="module")
 def pg():
     """A real one-process Gloo group, as a lone `phalanx train` worker makes it (one per test module)."""
     import torch  # here, not at the top: most test modules never load torch in this process
@@ -81,6 +99,52 @@ def final_params(run_dir: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
+
+
+def runs_at(tmp_path_factory, name: str, args_of, worlds=(1, 2)) -> dict:
+    """The same `phalanx` command (args_of(run_dir)) at each world size: {world: run folder}."""
+    runs = {}
+    for n in worlds:
+        runs[n] = tmp_path_factory.mktemp(f"{name}-{n}")
+        phalanx(*args_of(runs[n]), "--nproc-per-node", n, check=True, timeout=180)
+    return runs
+
+
+def assert_same_losses(got_run: Path, want_run: Path, steps: int, rel: float = 1e-5) -> dict:
+    """Both runs logged every step 1..steps with losses within `rel`; returns want_run's losses."""
+    got, want = train_losses(got_run), train_losses(want_run)
+    assert sorted(want) == list(range(1, steps + 1)) and sorted(got) == sorted(want)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=rel), f"step {step}"
+    return want
+
+
+def paired_params(run_dir: Path, ref_dir: Path):
+    """(name, got, want) over both runs' final parameters (the same names), copies. GPT-2's key bias gets no
+    gradient in exact math (softmax ignores a shift shared by all keys), so its "gradient" is rounding noise
+    that Adam scales up to lr-sized steps, falling by the CPU's kernels (AVX2 here: ~1e-6 apart): it is checked
+    to stay noise in both runs and zeroed; the query and value biases compare like every other parameter."""
+    got_all, want_all = final_params(run_dir), final_params(ref_dir)
+    assert got_all.keys() == want_all.keys()
+    for name in want_all:
+        got, want = got_all[name].clone(), want_all[name].clone()
+        if name.endswith("attn.c_attn.bias"):
+            key = slice(got.numel() // 3, 2 * got.numel() // 3)
+            assert got[key].abs().max() < 1e-4 and want[key].abs().max() < 1e-4, name
+            got[key] = want[key] = 0
+        yield name, got, want
+
+
+def tiny_llama(folder: Path):
+    """A tiny random Llama (seed 0) saved in shards of 40 KB with their index, as hub repos ship one."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    model.save_pretrained(folder, max_shard_size="40KB")
+    return model
 
 
 def lm_args(run_dir: Path, cache: Path, *extra) -> list[str]:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, SST2, metrics, phalanx, train_losses
+from conftest import REPO, SST2, assert_same_losses, metrics, phalanx, runs_at
 
 from phalanx.core.config import ConfigError, load_config
 from phalanx.data.classify import store as classify_store
@@ -49,22 +49,13 @@ def sst2_runs(tmp_path_factory, cache_dir):
     """examples/sst2.yaml, smaller, at 1 and 2 processes (grouping and dropout on); eval on all 872 rows."""
     data = tmp_path_factory.mktemp("sst2data")
     train = sst2_subset(data, 480)
-    runs = {}
-    for n in (1, 2):
-        run = tmp_path_factory.mktemp(f"sst2-{n}")
-        phalanx(*cls_args(run, cache_dir, train, SST2 / "validation.jsonl", "train.max_steps=12",
-                          "model.dropout=0.1", "data.group_by_length=true",
-                          config=str(REPO / "examples" / "sst2.yaml")),
-                "--nproc-per-node", n, check=True, timeout=180)
-        runs[n] = run
-    return runs
+    return runs_at(tmp_path_factory, "sst2", lambda run: cls_args(
+        run, cache_dir, train, SST2 / "validation.jsonl", "train.max_steps=12", "model.dropout=0.1",
+        "data.group_by_length=true", config=str(REPO / "examples" / "sst2.yaml")))
 
 
 def test_one_and_two_processes_give_the_same_losses_with_grouping(sst2_runs):
-    l1, l2 = train_losses(sst2_runs[1]), train_losses(sst2_runs[2])
-    assert sorted(l1) == list(range(1, 13)) and sorted(l2) == sorted(l1)
-    for step in l1:
-        assert l2[step] == pytest.approx(l1[step], rel=1e-5), f"step {step}"
+    assert_same_losses(sst2_runs[2], sst2_runs[1], 12)
     lines = [m for m in metrics(sst2_runs[2]) if "pad_fraction" in m]
     assert lines and all(0 <= m["pad_fraction"] < 0.2 and m["useful_tokens_per_s"] > 0 for m in lines)
     summary = json.loads((sst2_runs[2] / "summary.json").read_text())

@@ -9,7 +9,7 @@ import tracemalloc
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
-import torch
+from conftest import tiny_llama
 from test_hub import fake_hub_repo
 
 from phalanx.model import identity
@@ -19,13 +19,8 @@ from phalanx.model.identity import DIGESTS, base_identity, file_digest, hash_fil
 @pytest.fixture
 def base(tmp_path):
     """A tiny Llama saved in two shards with their index, a stale model.safetensors beside them."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1))
     folder = tmp_path / "base"
-    model.save_pretrained(folder, max_shard_size="40KB")
+    tiny_llama(folder)
     (folder / "model.safetensors").write_bytes(b"stale")
     return folder
 

@@ -5,26 +5,18 @@ import json
 
 import pytest
 import torch
-from conftest import final_params, lm_args, metrics, phalanx, train_losses
+from conftest import assert_same_losses, final_params, lm_args, metrics, phalanx, runs_at, train_losses
 
 
 @pytest.fixture(scope="module")
 def one_and_two(tmp_path_factory, cache_dir):
     """The same config (dropout on, to show per-micro-batch seeding) at 1 and at 2 processes."""
-    runs = {}
-    for n in (1, 2):
-        run = tmp_path_factory.mktemp(f"equiv{n}")
-        phalanx(*lm_args(run, cache_dir, "train.max_steps=12", "model.dropout=0.1"),
-                "--nproc-per-node", n, check=True, timeout=180)
-        runs[n] = run
-    return runs
+    return runs_at(tmp_path_factory, "equiv", lambda run: lm_args(run, cache_dir, "train.max_steps=12",
+                                                                   "model.dropout=0.1"))
 
 
 def test_one_and_two_processes_give_the_same_trajectory(one_and_two):
-    l1, l2 = train_losses(one_and_two[1]), train_losses(one_and_two[2])
-    assert sorted(l1) == list(range(1, 13)) and sorted(l2) == sorted(l1)
-    for step in l1:
-        assert l2[step] == pytest.approx(l1[step], rel=1e-5), f"step {step}"
+    l1 = assert_same_losses(one_and_two[2], one_and_two[1], 12)
     assert l1[12] < l1[1]  # and it learns
     p1, p2 = final_params(one_and_two[1]), final_params(one_and_two[2])
     assert p1.keys() == p2.keys()

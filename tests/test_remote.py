@@ -17,8 +17,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import REFERENCE, REPO, SHAKESPEARE, final_params, lm_args, phalanx, train_losses
-from s3server import S3Server
-from test_prepare import tokenizer_dir
 
 from phalanx.core.config import ConfigError, load_config
 from phalanx.data import prepare as pipeline
@@ -27,17 +25,6 @@ from phalanx.data.remote import cache as shard_cache
 from phalanx.data.lm_store import LM
 
 LINES = [line for line in SHAKESPEARE.read_text(encoding="utf-8").splitlines() if line.strip()][:6000]
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with S3Server() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> str:
-    return str(tokenizer_dir(tmp_path_factory.mktemp("tok"), "\n".join(LINES[:2000])))
 
 
 def lm_cfg(data: str, cache: Path, tok: str, *extra):

@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SHAKESPEARE
-from s3server import S3Server
-from test_prepare import tokenizer_dir
-from test_remote import LINES, lm_cfg
+from test_remote import lm_cfg
 
 from phalanx.data import prepare as pipeline
 from phalanx.data.remote import cache as shard_cache
@@ -25,17 +23,6 @@ from phalanx.data.lm_store import LM
 from phalanx.data.samplers import GlobalBatchSampler, ShardPlan, windowed_order
 from phalanx.run.batches import BatchSource
 from phalanx.tasks.lm import LMTask, PackedBlocks
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with S3Server() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> str:
-    return str(tokenizer_dir(tmp_path_factory.mktemp("tok"), "\n".join(LINES[:2000])))
 
 
 @pytest.fixture(scope="module")

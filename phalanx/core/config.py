@@ -267,6 +267,14 @@ def hub_name(spec: str) -> str:
     return spec[3:] if spec.startswith("hf:") else spec
 
 
+def base_config(cfg: Config) -> dict | None:
+    """The pretrained base's config.json (a local folder); None from scratch or for a hub name (read when built)."""
+    if not cfg.model.pretrained:
+        return None
+    config = Path(hub_name(cfg.model.pretrained)) / "config.json"
+    return json.loads(config.read_text(encoding="utf-8")) if config.is_file() else None
+
+
 def _check_path(key: str, value: str) -> None:
     if not value or value.startswith("hf:") or "://" in value:  # a hub name, or a URL listed when it is read
         return

@@ -81,6 +81,10 @@ class LoraSettings:
                                    "linear layer but the output head (peft's all-linear)", factory=list)
 
 
+# model.attn_implementation's choices: the model's own default, then transformers' kernels by name
+ATTENTION = ["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"]
+
+
 @dataclass
 class ModelConfig:
     arch: str = setting("gpt2", "architecture of a model built from scratch",
@@ -94,13 +98,13 @@ class ModelConfig:
     n_head: int = setting(4, "attention heads", min=1, max=512)
     n_embd: int = setting(256, "hidden width (divisible by n_head)", min=8, max=65536)
     block_size: int = setting(128, "lm: tokens per training sequence (context length)", min=8, max=1_000_000)
-    dropout: float = setting(0.0, "dropout probability (masks are seeded per micro-batch, so runs stay identical "
-                             "across world sizes)", min=0.0, max=0.9)
+    dropout: float = setting(0.0, "dropout probability (masks seeded per micro-batch: alike at any world size)",
+                             min=0.0, max=0.9)
     attn_implementation: str = setting("auto", "attention kernel of a transformers model: auto = the model's own "
                                        "default (sdpa where the architecture supports it, else eager); sdpa, eager, "
                                        "flex_attention (a GPU: no CPU backward), flash_attention_2 (the flash-attn "
                                        "package and a GPU); the start line says which one runs",
-                                       choices=["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"])
+                                       choices=ATTENTION)
     lora: LoraSettings = setting(None, "chat: low-rank adapters through peft (only they train; the base stays frozen)",
                                  factory=LoraSettings)
     base_dtype: str = setting("auto", "LoRA: the dtype the frozen base weights are stored in (adapters, their "

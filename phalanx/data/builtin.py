@@ -36,6 +36,22 @@ def stdlib_docstrings(max_chars: int = MAX_CHARS) -> tuple[str, ...]:
     return tuple(docs)
 
 
+def _public_modules():
+    """(dotted name, parsed tree) of the standard library's public modules (no tests, no _private parts), in a
+    fixed order; a file Python cannot parse is left out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if {"site-packages", "test", "tests", "idlelib"} & set(parts) or any(
+                part.startswith("_") and part != "__init__.py" for part in parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        yield ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"), tree
+
+
 SYSTEM = "You answer questions about the Python standard library in one short paragraph."
 QUESTIONS = ("What does `{}` do?", "Explain `{}` briefly.", "What is `{}` for?")
 
@@ -64,18 +80,8 @@ def stdlib_conversations(max_chars: int = MAX_CHARS // 2) -> tuple[dict, ...]:
     """Question/answer conversations (messages format) made from the standard library's docstrings: the
     built-in chat data set. Pairs of names from one module make two-turn conversations; every third one
     has a system message. Deterministic for a given Python installation, offline."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     out, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).parts
-        if {"site-packages", "test", "tests", "idlelib"} & set(parts) or any(
-                part.startswith("_") and part != "__init__.py" for part in parts):  # public modules only
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
-            continue
-        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+    for module, tree in _public_modules():
         items = list(_documented(tree, module))
         for i in range(0, len(items) - 1, 2):
             (a, answer_a), (b, answer_b) = items[i], items[i + 1]
@@ -155,18 +161,8 @@ def _tagged(module: str, name: str, doc: str, n: int) -> tuple[list[str], list[s
 def stdlib_tagged(max_sentences: int = 6000) -> tuple[tuple[list[str], list[str]], ...]:
     """(words, tags) sentences about the standard library's documented functions and methods, with module and
     function names tagged: the built-in data of `task: token_classify`. Deterministic, offline."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     out = []
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).parts
-        if {"site-packages", "test", "tests", "idlelib"} & set(parts) or any(
-                part.startswith("_") and part != "__init__.py" for part in parts):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
-            continue
-        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+    for module, tree in _public_modules():
         for qualified, doc in _documented(tree, module):
             out.append(_tagged(module, qualified[len(module) + 1:], doc, len(out)))
             if len(out) >= max_sentences:

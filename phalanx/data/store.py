@@ -111,6 +111,23 @@ def write_offsets(folder: Path, records: list[dict]) -> int:
     return rows
 
 
+class RaggedRows:
+    """Examples stored ragged: example i is tokens offsets[i]:offsets[i+1] of each of `streams` (arrays, or a
+    store's memory-mapped streams, TokenStore)."""
+
+    def __init__(self, streams: tuple, offsets: np.ndarray):
+        self.streams, self.offsets = streams, offsets
+        self.lengths = np.diff(offsets)
+
+    def token_span(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [lo, hi) of each example (the store's shards it touches: samplers.ShardPlan)."""
+        i = np.asarray(indices, dtype=np.int64)
+        return np.asarray(self.offsets[i], dtype=np.int64), np.asarray(self.offsets[i + 1], dtype=np.int64)
+
+    def stores(self) -> list:
+        return [s for s in self.streams if isinstance(s, TokenStore)]
+
+
 class TokenStore:
     """One per-token array of a complete store as one stream (`ids` by default): `slice(lo, hi)` or
     `store[lo:hi]` reads across shard boundaries. Shards are memory-mapped when first read; a store kept on

@@ -11,7 +11,6 @@ their own) or, with data.packing=false, one conversation padded per micro-batch 
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 from phalanx.core import dist
-from phalanx.core.config import Config, ConfigError, group_by_length, hub_name
+from phalanx.core.config import Config, ConfigError, base_config, group_by_length
 from phalanx.data import prepare, units
 from phalanx.data.chat import store as chat_store
 from phalanx.data import tokenizer as toks
@@ -72,12 +71,7 @@ def collate_rows(samples: list[list[tuple[np.ndarray, np.ndarray]]], width: int,
 
 def base_positions(cfg: Config) -> int | None:
     """Positions the pretrained base model has (None: from scratch, or unknown without loading it)."""
-    if not cfg.model.pretrained:
-        return None
-    config = Path(hub_name(cfg.model.pretrained)) / "config.json"
-    if not config.is_file():
-        return None
-    raw = json.loads(config.read_text(encoding="utf-8"))
+    raw = base_config(cfg) or {}
     return raw.get("n_positions") or raw.get("max_position_embeddings")
 
 

@@ -27,15 +27,53 @@ def uses_token_types(hf_config) -> bool:
     return getattr(hf_config, "type_vocab_size", 0) > 1
 
 
+def encoder_tokenizer(cfg: Config, folder, max_length: int) -> tuple:
+    """The prepared data's tokenizer as final/ saves it, and whether the model takes segment ids. Saved so,
+    transformers users truncate the same way and get segment ids exactly when the model has a segment embedding
+    (a tokenizer trained here would otherwise omit them)."""
+    if cfg.model.pretrained:
+        from transformers import AutoConfig
+        use_types = uses_token_types(AutoConfig.from_pretrained(hub_name(cfg.model.pretrained)))
+    else:
+        use_types = cfg.model.arch == "bert"
+    tok = toks.load_saved(folder)
+    tok.model_max_length = max_length
+    names = ["input_ids", "token_type_ids", "attention_mask"] if use_types else ["input_ids", "attention_mask"]
+    tok.model_input_names = tok.init_kwargs["model_input_names"] = names
+    return tok, use_types
+
+
 def _check_has_data(cfg: Config) -> None:
     if not cfg.data.train:
         raise ConfigError("config key 'data.train': task 'classify' needs labelled training data "
                           "(a JSONL/CSV/Parquet file, a folder of them, or hf:NAME)")
 
 
-class ClassifyTask(TaskBase):
-    name = "classify"
+class EncoderTask(TaskBase):
+    """What the encoder tasks share: their own config section (its max_length and labels) and the head."""
     ARCHS = ("bert", "roberta", "distilbert")
+    SECTION = ""                       # the task's config section
+    HEAD = "SequenceClassification"    # transformers' AutoModelFor<HEAD>
+    DEFAULT_LABELS: tuple[str, ...] = ()  # the labels of a model built before any data is read (memory plan)
+
+    @classmethod
+    def sequence_length(cls, cfg: Config) -> int:
+        return getattr(cfg, cls.SECTION).max_length
+
+    @classmethod
+    def model_for(cls, cfg: Config, vocab_size: int, special_id: int, names: list[str] | None = None):
+        """The architecture, on the current default device (no weights are loaded)."""
+        section = getattr(cfg, cls.SECTION)
+        names = names or section.labels or list(cls.DEFAULT_LABELS)
+        return classifier(cfg.model, vocab_size, special_id, section.max_length, dict(enumerate(names)), head=cls.HEAD)
+
+    def define_model(self):
+        return self.model_for(self.cfg, len(self.tokenizer), self.tokenizer.pad_token_id, self.names)
+
+
+class ClassifyTask(EncoderTask):
+    name = "classify"
+    SECTION, DEFAULT_LABELS = "classify", ("0", "1")
     AUTO_MODEL = "AutoModelForSequenceClassification"
     MISMATCHED = "init"  # a pretrained model's head for another number of labels is initialised anew
     FORMAT = CLASSIFY
@@ -61,23 +99,8 @@ class ClassifyTask(TaskBase):
         prepares them and the others wait for the index files."""
         cfg = self.cfg
         data = prepare.open_or_prepare(cfg, CLASSIFY, self.info.is_local_main, cfg.dist.startup_timeout_s)
-        if cfg.model.pretrained:
-            from transformers import AutoConfig
-            self.use_types = uses_token_types(AutoConfig.from_pretrained(hub_name(cfg.model.pretrained)))
-        else:
-            self.use_types = cfg.model.arch == "bert"
-        self.tokenizer = self._load_tokenizer(data.tokenizer_dir)
+        self.tokenizer, self.use_types = encoder_tokenizer(cfg, data.tokenizer_dir, cfg.classify.max_length)
         self.names, self.train_set, self.val_set = data.names, data.train, data.validation
-
-    def _load_tokenizer(self, folder):
-        tok = toks.load_saved(folder)
-        # Saved with final/, so transformers users truncate the same way and get segment ids exactly when
-        # the model has a segment embedding (a tokenizer trained here would otherwise omit them).
-        tok.model_max_length = self.cfg.classify.max_length
-        names = ["input_ids", "token_type_ids", "attention_mask"] if self.use_types else \
-            ["input_ids", "attention_mask"]
-        tok.model_input_names = tok.init_kwargs["model_input_names"] = names
-        return tok
 
     def train_order(self, data_order: int):
         """Length-grouped: whole global batches of similar lengths (data order 2), so every rank's share of
@@ -89,22 +112,9 @@ class ClassifyTask(TaskBase):
                                     unit=t.global_batch_size if data_order >= 2 else t.micro_batch_size)
 
     # ---- model and steps --------------------------------------------------------------------
-    @staticmethod
-    def sequence_length(cfg: Config) -> int:
-        return cfg.classify.max_length
-
     def next_commands(self, run_dir) -> list[str]:
         return [*super().next_commands(run_dir),
                 f"phalanx predict {run_dir} --input TEXTS.jsonl --output predictions.jsonl"]
-
-    @staticmethod
-    def model_for(cfg: Config, vocab_size: int, special_id: int, names: list[str] | None = None):
-        """The architecture, on the current default device (no weights are loaded)."""
-        names = names or cfg.classify.labels or ["0", "1"]
-        return classifier(cfg.model, vocab_size, special_id, cfg.classify.max_length, dict(enumerate(names)))
-
-    def define_model(self):
-        return self.model_for(self.cfg, len(self.tokenizer), self.tokenizer.pad_token_id, self.names)
 
     def collate(self, dataset: EncodedSet, indices) -> dict:
         batch = pad_batch([dataset.example(int(i)) for i in indices], self.tokenizer.pad_token_id,

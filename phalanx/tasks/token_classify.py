@@ -10,30 +10,25 @@ ranks and seqeval scores the whole validation set once.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from phalanx.core.config import Config, ConfigError, group_by_length, hub_name
+from phalanx.core.config import Config, ConfigError, base_config, group_by_length
 from phalanx.data import prepare
-from phalanx.data import tokenizer as toks
 from phalanx.data.samplers import length_grouped_order, shuffled_order
 from phalanx.data.tokcls import labels as tag_names
 from phalanx.data.tokcls import windows as win
 from phalanx.data.tokcls.store import TOKCLS, TaggedSet
-from phalanx.model.build import classifier
-from phalanx.tasks.base import TaskBase
-from phalanx.tasks.classify import MODEL_INPUTS, uses_token_types
+from phalanx.tasks.classify import MODEL_INPUTS, EncoderTask, encoder_tokenizer, uses_token_types
 
 IGNORE = -100  # the label cross-entropy skips (transformers' convention)
 
 
-class TokenClassifyTask(TaskBase):
+class TokenClassifyTask(EncoderTask):
     name = "token_classify"
-    ARCHS = ("bert", "roberta", "distilbert")
+    SECTION, HEAD, DEFAULT_LABELS = "token_classify", "TokenClassification", ("O", "B-X", "I-X")
     AUTO_MODEL = "AutoModelForTokenClassification"
     MISMATCHED = "init"  # a pretrained model's head (or none: a bare encoder) is initialised anew for these labels
     FORMAT = TOKCLS
@@ -62,16 +57,7 @@ class TokenClassifyTask(TaskBase):
     def open_data(self) -> None:
         cfg = self.cfg
         data = prepare.open_or_prepare(cfg, TOKCLS, self.info.is_local_main, cfg.dist.startup_timeout_s)
-        if cfg.model.pretrained:
-            from transformers import AutoConfig
-            self.use_types = uses_token_types(AutoConfig.from_pretrained(hub_name(cfg.model.pretrained)))
-        else:
-            self.use_types = cfg.model.arch == "bert"
-        tok = toks.load_saved(data.tokenizer_dir)
-        tok.model_max_length = cfg.token_classify.max_length
-        names = ["input_ids", "token_type_ids", "attention_mask"] if self.use_types else ["input_ids", "attention_mask"]
-        tok.model_input_names = tok.init_kwargs["model_input_names"] = names
-        self.tokenizer = tok
+        self.tokenizer, self.use_types = encoder_tokenizer(cfg, data.tokenizer_dir, cfg.token_classify.max_length)
         self.names, self.gold_names, self.scheme = data.names, data.gold_names, data.scheme
         self.train_set, self.val_set = data.train, data.validation
         self.continued = np.asarray(tag_names.continuation(self.names) + [IGNORE] * (len(self.gold_names)
@@ -83,24 +69,11 @@ class TokenClassifyTask(TaskBase):
         t = self.cfg.train
         return length_grouped_order(self.train_set.lengths, t.micro_batch_size, unit=t.global_batch_size)
 
-    @staticmethod
-    def sequence_length(cfg: Config) -> int:
-        return cfg.token_classify.max_length
-
     def next_commands(self, run_dir) -> list[str]:
         return [*super().next_commands(run_dir),
                 f"phalanx predict {run_dir} --input SENTENCES.conll --output tagged.conll"]
 
     # ---- model and steps --------------------------------------------------------------------
-    @staticmethod
-    def model_for(cfg: Config, vocab_size: int, special_id: int, names: list[str] | None = None):
-        names = names or cfg.token_classify.labels or ["O", "B-X", "I-X"]
-        return classifier(cfg.model, vocab_size, special_id, cfg.token_classify.max_length, dict(enumerate(names)),
-                          head="TokenClassification")
-
-    def define_model(self):
-        return self.model_for(self.cfg, len(self.tokenizer), self.tokenizer.pad_token_id, self.names)
-
     def collate(self, dataset: TaggedSet, indices) -> dict:
         """Padded windows; labels on each owned word's first subword (every subword with label_all_subwords),
         IGNORE elsewhere and on a validation tag the model has no label for; `owned` marks the subwords whose
@@ -176,12 +149,7 @@ class TokenClassifyTask(TaskBase):
 def encoder_positions(cfg: Config) -> int | None:
     """Tokens a pretrained encoder (a local folder) takes: its position embeddings, less RoBERTa's offset (its
     positions start after the padding id); None from scratch or for a hub name (read when it is built)."""
-    if not cfg.model.pretrained:
-        return None
-    config = Path(hub_name(cfg.model.pretrained)) / "config.json"
-    if not config.is_file():
-        return None
-    raw = json.loads(config.read_text(encoding="utf-8"))
+    raw = base_config(cfg) or {}
     positions = raw.get("max_position_embeddings")
     if not positions:
         return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -79,24 +80,47 @@ def launch(args) -> int:
     return EXIT_OK
 
 
-def _predict_worker(args, cfg: Config, examples: classify_inputs.Examples) -> int:
+@dataclass
+class Share:
+    """This process's part of a predict command: its process group (None: one process), device, the run's
+    model and tokenizer, and the contiguous share of the inputs it predicts."""
+    info: dist.DistInfo | None
+    device: torch.device
+    model: torch.nn.Module
+    tokenizer: object
+    shard: range
+
+    def gather(self, part) -> list | None:
+        """Every rank's part in rank order on rank 0 (contiguous shares: the input order); None elsewhere."""
+        if self.info is None or self.info.world_size == 1:
+            return [part]
+        gathered = [None] * self.info.world_size if self.info.rank == 0 else None
+        torch.distributed.gather_object(part, gathered, dst=0)
+        return gathered
+
+    def close(self) -> None:
+        if self.info:
+            dist.teardown()
+
+
+def open_share(cfg: Config, run: str, n: int, load) -> Share:
+    """Join the launcher's group where started by it, load RUN/final with `load`, take this rank's share of n."""
     info = dist.setup(cfg.dist.backend, timeout_s=cfg.dist.timeout_s) if dist.under_torchrun() else None
     rank, world = (info.rank, info.world_size) if info else (0, 1)
     device = info.device if info else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_classifier(RunFolder(args.run).final)
-    model = model.to(device)
-    shard = eval_shard(len(examples), rank, world)
-    probs = predict_probs(model, tokenizer, examples.take(shard.start, shard.stop), cfg.classify.max_length,
-                          args.batch_size, device)
-    if world > 1:  # contiguous shards in rank order: concatenating them restores the input order
-        gathered = [None] * world if rank == 0 else None
-        torch.distributed.gather_object(probs, gathered, dst=0)
-        probs = np.concatenate(gathered) if rank == 0 else None
-    if rank == 0:
-        names = [model.config.id2label[i] for i in range(probs.shape[1])]
-        _write_predictions(probs, names, args.output)
-    if info:
-        dist.teardown()
+    model, tokenizer = load(RunFolder(run).final)
+    return Share(info, device, model.to(device), tokenizer, eval_shard(n, rank, world))
+
+
+def _predict_worker(args, cfg: Config, examples: classify_inputs.Examples) -> int:
+    share = open_share(cfg, args.run, len(examples), load_classifier)
+    probs = predict_probs(share.model, share.tokenizer, examples.take(share.shard.start, share.shard.stop),
+                          cfg.classify.max_length, args.batch_size, share.device)
+    parts = share.gather(probs)
+    if parts is not None:
+        names = [share.model.config.id2label[i] for i in range(probs.shape[1])]
+        _write_predictions(np.concatenate(parts), names, args.output)
+    share.close()
     return EXIT_OK
 
 
@@ -104,7 +128,11 @@ def _write_predictions(probs: np.ndarray, names: list[str], output: str) -> None
     lines = [json.dumps({"label": names[int(row.argmax())],
                          "probabilities": {n: round(float(p), 6) for n, p in zip(names, row)}})
              for row in probs]
-    text = "".join(line + "\n" for line in lines)
+    emit("".join(line + "\n" for line in lines), output)
+
+
+def emit(text: str, output: str) -> None:
+    """The predictions to --output (written whole, through a temporary name), or standard output."""
     if not output:
         sys.stdout.write(text)
         sys.stdout.flush()

@@ -9,48 +9,37 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
-import torch
 
 from phalanx.core import dist
 from phalanx.core.config import Config
-from phalanx.core.runfolder import EXIT_OK, RunFolder, write_text
+from phalanx.core.runfolder import EXIT_OK
 from phalanx.data.tokcls import inputs
 from phalanx.data.tokcls import labels as tag_names
 from phalanx.model.build import load_token_classifier
-from phalanx.run.evaluate import eval_shard
 from phalanx.tasks.token_classify import tag_sentences
-from phalanx.tools.predict import launch
+from phalanx.tools.predict import emit, launch, open_share
 
 
 def run(args, cfg: Config) -> int:
     sentences, carried = inputs.read_sentences(args.input, cfg)  # checked here, before any worker starts
     if args.nproc_per_node > 1 and not dist.under_torchrun():
         return launch(args)
-    info = dist.setup(cfg.dist.backend, timeout_s=cfg.dist.timeout_s) if dist.under_torchrun() else None
-    rank, world = (info.rank, info.world_size) if info else (0, 1)
-    device = info.device if info else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_token_classifier(RunFolder(args.run).final)
-    model = model.to(device)
-    shard = eval_shard(len(sentences), rank, world)
+    share = open_share(cfg, args.run, len(sentences), load_token_classifier)
     t = cfg.token_classify
-    tagged = tag_sentences(model, tokenizer, sentences[shard.start:shard.stop], t.max_length, t.stride,
-                           args.batch_size, device)
-    if world > 1:  # contiguous shards in rank order: concatenating them restores the input order
-        gathered = [None] * world if rank == 0 else None
-        torch.distributed.gather_object(tagged, gathered, dst=0)
-        tagged = [x for part in gathered for x in part] if rank == 0 else None
-    if rank == 0:
-        names = [model.config.id2label[i] for i in range(model.config.num_labels)]
-        write(sentences, tagged, names, args.output)
+    tagged = tag_sentences(share.model, share.tokenizer, sentences[share.shard.start:share.shard.stop], t.max_length,
+                           t.stride, args.batch_size, share.device)
+    parts = share.gather(tagged)
+    if parts is not None:
+        config = share.model.config
+        names = [config.id2label[i] for i in range(config.num_labels)]
+        write(sentences, [x for part in parts for x in part], names, args.output)
         unknown = Counter(t for t in carried if t not in set(names))
         if unknown:  # the input's own tags (a labelled file): those the model cannot predict, counted
             print(f"phalanx: predict: {sum(unknown.values())} words of '{args.input}' carry tags the model has no "
                   f"label for: {', '.join(f'{k} ({v})' for k, v in unknown.most_common(10))}", file=sys.stderr)
-    if info:
-        dist.teardown()
+    share.close()
     return EXIT_OK
 
 
@@ -76,8 +65,4 @@ def write(sentences: list[list[str]], tagged: list, names: list[str], output: st
             lines.append(json.dumps({"tokens": words, "tags": tags, "scores": [round(float(p), 6) for p in scores],
                                      "entities": entities(tags, scores, words)}, ensure_ascii=False))
         text = "".join(line + "\n" for line in lines)
-    if not output:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
-    write_text(Path(output), text)
+    emit(text, output)

@@ -22,13 +22,12 @@ from phalanx.data import layout, pieces, prepare, readers, store
 from phalanx.data.sources import Split, source_identity, splits
 
 
-class EncodedSet:
-    """Tokenized examples stored ragged: example i is ids[offsets[i]:offsets[i+1]]; ids and types are
-    arrays, or a store's memory-mapped streams (store.TokenStore)."""
+class EncodedSet(store.RaggedRows):
+    """Tokenized examples stored ragged: example i is ids[offsets[i]:offsets[i+1]] (and its token types)."""
 
     def __init__(self, ids, types, offsets: np.ndarray, labels: np.ndarray):
-        self.ids, self.types, self.offsets, self.labels = ids, types, offsets, labels
-        self.lengths = np.diff(offsets)
+        super().__init__((ids, types), offsets)
+        self.ids, self.types, self.labels = ids, types, labels
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -36,14 +35,6 @@ class EncodedSet:
     def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.ids[lo:hi], self.types[lo:hi]
-
-    def token_span(self, indices) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens [lo, hi) of each example (the store's shards it touches: samplers.ShardPlan)."""
-        i = np.asarray(indices, dtype=np.int64)
-        return np.asarray(self.offsets[i], dtype=np.int64), np.asarray(self.offsets[i + 1], dtype=np.int64)
-
-    def stores(self) -> list:
-        return [s for s in (self.ids, self.types) if isinstance(s, store.TokenStore)]
 
     def rows(self, lo: int, hi: int) -> EncodedSet:
         """Examples [lo, hi) (offsets stay positions in the same streams)."""

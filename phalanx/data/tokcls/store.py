@@ -25,14 +25,14 @@ from phalanx.data.tokcls import labels as tags
 from phalanx.data.tokcls import windows as win
 
 
-class TaggedSet:
+class TaggedSet(store.RaggedRows):
     """Windows stored ragged: window i is tokens offsets[i]:offsets[i+1] of the split's streams (ids, words)
     and of labels (per token); `owned` and `window` per window."""
 
     def __init__(self, ids, words, labels, offsets: np.ndarray, owned: np.ndarray, window: np.ndarray):
-        self.ids, self.words, self.labels, self.offsets = ids, words, labels, offsets
+        super().__init__((ids, words), offsets)
+        self.ids, self.words, self.labels = ids, words, labels
         self.owned, self.window = owned, window
-        self.lengths = np.diff(offsets)
 
     def __len__(self) -> int:
         return len(self.owned)
@@ -40,13 +40,6 @@ class TaggedSet:
     def example(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.ids[lo:hi], self.words[lo:hi], np.asarray(self.labels[lo:hi])
-
-    def token_span(self, indices) -> tuple[np.ndarray, np.ndarray]:
-        i = np.asarray(indices, dtype=np.int64)
-        return np.asarray(self.offsets[i], dtype=np.int64), np.asarray(self.offsets[i + 1], dtype=np.int64)
-
-    def stores(self) -> list:
-        return [s for s in (self.ids, self.words) if isinstance(s, store.TokenStore)]
 
     def rows(self, lo: int, hi: int) -> TaggedSet:
         return TaggedSet(self.ids, self.words, self.labels, self.offsets[lo:hi + 1], self.owned[lo:hi],

@@ -238,18 +238,18 @@ def test_pool_damage_through_prepare_is_exit_2_with_one_line(tmp_path, tok):
 
 def test_a_file_gone_after_planning_is_one_line_from_the_readers(tmp_path):
     """What a pool worker meets when a file is removed or replaced by a folder while it is prepared."""
-    from phalanx.data import pieces
+    from phalanx.data import readers
     from phalanx.data.sources import Split, open_source
 
     text, rows = tmp_path / "t.txt", jsonl(tmp_path / "r.jsonl", [{"text": line} for line in LINES[:100]])
     text.write_text("\n".join(LINES[:100]) + "\n", encoding="utf-8")
-    plans = {p: list(pieces.plan(open_source(Split(str(p), "data.train", "train"), "auto"), (("text", "text"),),
+    plans = {p: list(readers.plan(open_source(Split(str(p), "data.train", "train"), "auto"), (("text", "text"),),
                                  1 << 20)) for p in (text, rows)}
-    assert [len(list(pieces.text_chunks(plans[text][0]))),
-            len(list(pieces.rows(plans[rows][0], (("text", "text"),))))] == [1, 1]  # control: readable while there
+    assert [len(list(readers.text_chunks(plans[text][0]))),
+            len(list(readers.rows(plans[rows][0], (("text", "text"),))))] == [1, 1]  # control: readable while there
     for path in (text, rows):
         path.unlink()
     with pytest.raises(ConfigError, match=f"data file '{text}': cannot read \\(FileNotFoundError: "):
-        list(pieces.text_chunks(plans[text][0]))
+        list(readers.text_chunks(plans[text][0]))
     with pytest.raises(ConfigError, match=f"data file '{rows}': cannot read \\(FileNotFoundError: "):
-        list(pieces.rows(plans[rows][0], (("text", "text"),)))
+        list(readers.rows(plans[rows][0], (("text", "text"),)))

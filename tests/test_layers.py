@@ -83,7 +83,7 @@ def test_torch_free_modules(module):
 
 # data/'s reading seam, in the direction its imports go: where a source's files are listed and opened,
 # planned into pieces, read into records and checked, stored. A module may import only those after it.
-SEAM = ("sources", "pieces", "readers", "store")
+SEAM = ("sources", "readers", "store")
 
 
 def seam_back_imports(imports: dict[str, set[str]]) -> list[str]:
@@ -96,13 +96,13 @@ def test_the_reading_seam_imports_in_one_direction():
     imports = {name: {m.split(".")[2] for _, m in phalanx_imports(PACKAGE / "data" / f"{name}.py")
                       if m.startswith("phalanx.data.")} for name in SEAM}
     assert not seam_back_imports(imports)
-    assert imports["pieces"] >= {"readers"} and imports["sources"] >= {"readers"}  # the seam is used as drawn
+    assert imports["sources"] >= {"readers"}  # the seam is used as drawn
     # control: an import back up the seam is found
-    assert seam_back_imports({**imports, "readers": imports["readers"] | {"pieces"}}) == \
-        ["data/readers.py imports data/pieces.py"]
+    assert seam_back_imports({**imports, "readers": imports["readers"] | {"sources"}}) == \
+        ["data/readers.py imports data/sources.py"]
 
 
-# data/ by concern: the generic pipeline (sources, pieces, readers, the token store, samplers, prepare, the store
+# data/ by concern: the generic pipeline (sources, readers, the token store, samplers, prepare, the store
 # of units) in data/ itself, each task's record format in a sub-package, object storage in data/remote/. A
 # sub-package may use the generic pipeline and the sub-packages its row names; the generic pipeline uses remote/
 # (where a store lives, its node-local cache) and no task's format (a format plugs in through the task, tasks/);

@@ -12,7 +12,7 @@ from conftest import REPO, SHAKESPEARE, SST2, phalanx
 from tokenizers import Tokenizer
 
 from phalanx.core.config import load_config
-from phalanx.data import layout, pieces, prepare, store
+from phalanx.data import layout, prepare, readers, store
 from phalanx.data import tokenizer as toks
 from phalanx.data.sources import Split, open_source
 from phalanx.tasks.classify import ClassifyTask
@@ -89,7 +89,7 @@ class MaskedFormat(prepare.RecordFormat):
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(Path(job) / "tokenizer.json"))
-        for rows, n in pieces.rows(piece, (("text", "text"),)):
+        for rows, n in readers.rows(piece, (("text", "text"),)):
             encoded = [e.ids for e in tok.encode_batch([r[0] for r in rows], add_special_tokens=False)]
             ids = np.concatenate([np.asarray(e, dtype=np.int64) for e in encoded])
             writer.tokens(ids=ids, mask=ids % 2)
@@ -165,6 +165,6 @@ def test_a_validation_store_follows_the_training_labels(tmp_path):
 
 def test_split_and_piece_plans_name_their_source():
     source = open_source(Split(str(SHAKESPEARE), "data.train", "train"), "auto")
-    plan = list(pieces.plan(source, (("text", "text"),), 1 << 18))
+    plan = list(readers.plan(source, (("text", "text"),), 1 << 18))
     assert len(plan) > 3 and {p.source for p in plan} == {str(SHAKESPEARE)} and plan[-1].ends_document
     assert source.size == SHAKESPEARE.stat().st_size

@@ -15,7 +15,7 @@ from conftest import REPO, SHAKESPEARE, phalanx
 from tokenizers import Tokenizer
 
 from phalanx.core.config import load_config
-from phalanx.data import layout, pieces, prepare, store
+from phalanx.data import layout, prepare, readers, store
 from phalanx.data.lm_store import LM
 from phalanx.data import tokenizer as toks
 from phalanx.data.samplers import GlobalBatchSampler
@@ -41,7 +41,7 @@ def test_safe_cuts_keep_pre_tokens_and_ids(tmp_path):
     words = [w for w, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
     whole = tok.encode(text, add_special_tokens=False).ids
     cuts, pos = [], 1
-    while (c := pieces.safe_cut(data, pos)) != -1:
+    while (c := readers.safe_cut(data, pos)) != -1:
         cuts.append(c)
         pos = c + 1
     assert len(cuts) > 50

@@ -139,15 +139,15 @@ def test_conll_blank_lines_docstart_and_separators(tmp_path, tiny_bert, cache_di
 def test_conll_pieces_cut_only_between_sentences(tmp_path):
     """A CoNLL file planned into pieces of ~300 bytes: each piece starts after a blank line (WNUT's train file
     ends sentences with a lone tab), and the pieces' sentences are the file's."""
-    from phalanx.data import pieces, sources
+    from phalanx.data import readers, sources
 
     path = tmp_path / "train.conll"
     shutil.copy(WNUT / "wnut17train.conll", path)
     source = sources.open_source(sources.Split(str(path), "data.train", "train"), "auto")
     fields = (("tokens", "words"), ("ner_tags", "tags"), ((0, -1, "auto"), "columns"))
-    planned = list(pieces.plan(source, fields, 300))[:40]
+    planned = list(readers.plan(source, fields, 300))[:40]
     assert len(planned) == 40 and all(p.kind == "conll" for p in planned)
-    got = [(list(r[0]), list(r[1])) for p in planned for rows, _ in pieces.rows(p, fields) for r in rows]
+    got = [(list(r[0]), list(r[1])) for p in planned for rows, _ in readers.rows(p, fields) for r in rows]
     assert got == wnut("wnut17train.conll", len(got)) and len(got) > 40
     raw = path.read_bytes()
     assert all(raw[p.start - 2:p.start] in (b"\n\n", b"\t\n") for p in planned[1:])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phalanx.data import pieces
+from phalanx.data import readers
 
 # prompt_not_prefix: preference pairs only (pref/encode.py), whose prompt must tokenize as a prefix of each reply's
 REASONS = ("too_long", "template_refused", "template_changed", "nothing_to_learn", "prompt_not_prefix")
@@ -56,7 +56,7 @@ class Tally:
 
 
 def _where(record: dict, row: int) -> str:
-    return pieces.locate(record["source"], record["kind"], record["range"][0], row)
+    return readers.locate(record["source"], record["kind"], record["range"][0], row)
 
 
 def summary(records: list[dict]) -> dict:

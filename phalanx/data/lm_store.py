@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx.core.config import Config
-from phalanx.data import encoder, pieces, prepare, readers, store
+from phalanx.data import encoder, prepare, readers, store
 from phalanx.data import tokenizer as toks
 from phalanx.data.sample import sample_rows
 from phalanx.data.sources import Split
@@ -53,17 +53,17 @@ class LMFormat(prepare.RecordFormat):
         eos = toks.special_id(tok_dir, self.needs)
         return EncodeJob(str(tok_dir), kind, eos, self.fields(cfg)), {"encoder": kind, "encoder_check": why}
 
-    def encode(self, job: EncodeJob, piece: pieces.Piece, writer: store.ShardWriter, progress) -> dict:
+    def encode(self, job: EncodeJob, piece: readers.Piece, writer: store.ShardWriter, progress) -> dict:
         enc = encoder.cached(job.tokenizer_dir, job.encoder)
         if piece.kind == "text":  # a byte range of one document
-            for text, n in pieces.text_chunks(piece):
+            for text, n in readers.text_chunks(piece):
                 writer.tokens(ids=enc.flat([text], None))
                 progress(n)
             if piece.ends_document:
                 writer.tokens(ids=[job.eos])
             return {"documents": int(piece.ends_document)}
         documents = 0
-        for rows, n in pieces.rows(piece, job.fields):
+        for rows, n in readers.rows(piece, job.fields):
             writer.tokens(ids=enc.flat([r[0] for r in rows], job.eos))
             documents += len(rows)
             progress(n)

@@ -1,4 +1,4 @@
-"""The encoding pool: turns the pieces of one store (pieces.py) into shards with a pool of processes, and
+"""The encoding pool: turns the pieces of one store (readers.py) into shards with a pool of processes, and
 the claims that let several preparations share a cache folder.
 
 Each piece is encoded by one process into one shard plus its record (`<fingerprint>.json`, written last);
@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from phalanx.core import host
 from phalanx.core.errors import redact
-from phalanx.data import pieces
+from phalanx.data import readers
 from phalanx.data.remote.place import Place
 
 
@@ -67,12 +67,12 @@ class Encoding:
     """Turns the pieces of one store into shards at `place` with `workers` processes (at most 2 pieces
     in flight per process): `work(piece)` (picklable) writes one shard and returns its record."""
 
-    def __init__(self, work: Callable[[pieces.Piece], dict], place: Place, workers: int, bar):
+    def __init__(self, work: Callable[[readers.Piece], dict], place: Place, workers: int, bar):
         self.work, self.workers, self.bar = work, workers, bar
         self.place = place
         self.encoded = 0  # pieces this preparation encoded (the others' were reused or another's)
         self.records: dict[int, dict] = {}
-        self.others: dict[int, pieces.Piece] = {}   # claimed by another preparation
+        self.others: dict[int, readers.Piece] = {}   # claimed by another preparation
         self.mine: set[str] = set()
         self._reported = 0
 
@@ -88,7 +88,7 @@ class Encoding:
                 self.place.release(fp)
         return [self.records[i] for i in sorted(self.records)]
 
-    def _skip(self, i: int, piece: pieces.Piece) -> bool:
+    def _skip(self, i: int, piece: readers.Piece) -> bool:
         fp = piece.fingerprint
         record = self.place.record(fp, max_age=60)
         if record is None and self.place.claim(fp):

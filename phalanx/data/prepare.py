@@ -2,7 +2,7 @@
 
     prepare(cfg, fmt)        the data step (`phalanx prepare`, or the launcher before any worker starts):
                              the tokenizer, then for each split whose store is missing or older than its
-                             data: plan its pieces (pieces.py), encode each into a shard in the pool
+                             data: plan its pieces (readers.py), encode each into a shard in the pool
                              (pool.py, `fmt.encode`), let `fmt.finish` make what needs every shard, and
                              write the index last. Returns one summary shape per split.
     open_prepared(cfg, fmt)  the workers: the current stores, memory-mapped by `fmt.open`; never builds
@@ -28,7 +28,7 @@ from phalanx.core import host
 from phalanx.core.config import Config, ConfigError
 from phalanx.core.errors import redact
 from phalanx.core.runfolder import write_json
-from phalanx.data import cache, layout, pieces, pool, readers, samplers, store
+from phalanx.data import cache, layout, pool, readers, samplers, store
 from phalanx.data.remote import place as remote
 from phalanx.data import tokenizer as toks
 from phalanx.data.sample import sample_rows
@@ -72,7 +72,7 @@ class RecordFormat:
         """What `encode` needs (picklable), and entries for the split's summary."""
         raise NotImplementedError
 
-    def encode(self, job, piece: pieces.Piece, writer: store.ShardWriter, progress: Callable[[int], None]) -> dict:
+    def encode(self, job, piece: readers.Piece, writer: store.ShardWriter, progress: Callable[[int], None]) -> dict:
         """Write one piece's arrays with `writer` (in a pool worker); call `progress(n)` per n input bytes
         done. Returns entries for the shard's record, at least 'documents' (rows)."""
         raise NotImplementedError
@@ -225,7 +225,7 @@ def build_split(cfg: Config, fmt: RecordFormat, split: Split, tok_dir: Path, how
     bar = pool.progress_bar(how.progress, total, split.key)
     try:
         encoding = pool.Encoding(work, place, workers, bar)
-        records = encoding.run(pieces.plan(source, fmt.fields(cfg), size))
+        records = encoding.run(readers.plan(source, fmt.fields(cfg), size))
     finally:
         bar.close()
     place.localize_rows(records)  # the finish step reads them: those other nodes encoded too
@@ -258,7 +258,7 @@ class PieceWork:
     dtypes: dict       # per-token arrays: name -> dtype
     row_dtypes: dict   # per-row arrays: name -> dtype
 
-    def __call__(self, piece: pieces.Piece) -> dict:
+    def __call__(self, piece: readers.Piece) -> dict:
         writer = store.ShardWriter(self.place.local, piece.fingerprint, self.dtypes, self.row_dtypes)
         done = 0
 

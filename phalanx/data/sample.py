@@ -4,7 +4,7 @@ encoder is checked on), and the launcher's pre-flight check of every file.
 from __future__ import annotations
 
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import pieces, readers
+from phalanx.data import readers
 from phalanx.data.sources import DataFile, open_source, splits
 
 
@@ -17,9 +17,9 @@ def sample_rows(cfg: Config, fields: readers.Fields, budget: int) -> list[tuple]
     files = source.files
     if not files or any(f.kind not in ("text", "jsonl") for f in files):
         out, size = [], 0
-        for piece in pieces.plan(source, fields, budget):
-            batches = pieces.rows(piece, fields) if piece.kind != "text" else \
-                (([(text,)], n) for text, n in pieces.text_chunks(piece))
+        for piece in readers.plan(source, fields, budget):
+            batches = readers.rows(piece, fields) if piece.kind != "text" else \
+                (([(text,)], n) for text, n in readers.text_chunks(piece))
             for batch, n in batches:
                 out.extend(batch)
                 size += n

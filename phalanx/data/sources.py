@@ -1,7 +1,7 @@
 """Which data a config names — the first step of the reading seam: its splits, each split's files listed
 once through one fsspec filesystem (a local path, or an object-storage URL: s3://bucket/prefix, gs://,
 az://, ... whatever fsspec's installed backends reach), their formats, and what identifies them.
-pieces.py plans the listed files into pieces; readers.py reads them.
+readers.py cuts the listed files into pieces and reads them.
 
 Every problem is a `ConfigError` (exit code 2, one line).
 """

@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import counts, encoder, pieces, readers, store, units
+from phalanx.data import counts, encoder, readers, store, units
 from phalanx.data.chat import formats, template
 from phalanx.data.chat.encode import ChatEncoder, ChatSettings, Encoded, TiktokenTokens
 from phalanx.data.sample import sample_rows
@@ -125,21 +125,21 @@ class ChatFormat(TemplateUnits):
         renderer = template.Renderer(tok, json.loads(how.template_kwargs))
         return [t for t in renderer.many(shown) if isinstance(t, str)]
 
-    def encode(self, job: ChatJob, piece: pieces.Piece, writer: store.ShardWriter, progress) -> dict:
+    def encode(self, job: ChatJob, piece: readers.Piece, writer: store.ShardWriter, progress) -> dict:
         enc, fields = chat_encoder(job.tokenizer_dir, job.settings, job.tokens), dict(job.fields)
         tally, written, k = counts.Tally(), [], 0
-        for rows, n in pieces.rows(piece, self.fields(None)):
+        for rows, n in readers.rows(piece, self.fields(None)):
             batch = []
             for (record,) in rows:
                 try:
                     batch.append(_messages(record, fields, job.chat_format, ""))
                 except ConfigError as e:  # located only now: counting lines is slow, errors are rare
-                    raise ConfigError(f"{pieces.locate(piece.source, piece.kind, piece.start, k + len(batch))}"
+                    raise ConfigError(f"{readers.locate(piece.source, piece.kind, piece.start, k + len(batch))}"
                                       f"{e}") from None
             try:
                 results = enc.encode_batch(batch)
             except ConfigError as e:  # the template writes no end-of-turn token: every record would fail
-                raise ConfigError(f"{pieces.locate(piece.source, piece.kind, piece.start, k)}: {e}") from None
+                raise ConfigError(f"{readers.locate(piece.source, piece.kind, piece.start, k)}: {e}") from None
             kept = []
             for got in results:
                 tally.add(k, got)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from phalanx.core.config import ConfigError
-from phalanx.data import layout, pieces, readers, sources
+from phalanx.data import layout, readers, sources
 from phalanx.data.classify.store import EncodedSet
 
 
@@ -37,8 +37,8 @@ def read_inputs(path: str, text_field: str, pair_field: str) -> Examples:
             raise ConfigError(f"data file '{path}': no rows (empty file)")
         return Examples(texts)
     fields = ((text_field, "text"),) + (((pair_field, "text"),) if pair_field else ())
-    rows = [row for piece in pieces.plan(source, fields, 1 << 40)
-            for batch, _ in (pieces.rows(piece, fields) if piece.kind != "text" else ()) for row in batch]
+    rows = [row for piece in readers.plan(source, fields, 1 << 40)
+            for batch, _ in (readers.rows(piece, fields) if piece.kind != "text" else ()) for row in batch]
     return Examples([r[0] for r in rows], [r[1] for r in rows] if pair_field else None)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import layout, pieces, prepare, readers, store
+from phalanx.data import layout, prepare, readers, store
 from phalanx.data.sources import Split, source_identity, splits
 
 
@@ -100,10 +100,10 @@ class ClassifyFormat(prepare.RecordFormat):
     def job(self, cfg: Config, split: Split, tok_dir: Path, total: int) -> tuple[ClassifyJob, dict]:
         return ClassifyJob(str(tok_dir), cfg.classify.max_length, self.fields(cfg)), {}
 
-    def encode(self, job: ClassifyJob, piece: pieces.Piece, writer: store.ShardWriter, progress) -> dict:
+    def encode(self, job: ClassifyJob, piece: readers.Piece, writer: store.ShardWriter, progress) -> dict:
         tok, pair = _tokenizer(job.tokenizer_dir, job.max_length), len(job.fields) == 3
         labels: dict = {}  # raw label -> its code in this shard
-        for rows, n in pieces.rows(piece, job.fields):
+        for rows, n in readers.rows(piece, job.fields):
             encoded = tok.encode_batch([(r[0], r[1]) if pair else r[0] for r in rows], add_special_tokens=True)
             if encoded:
                 writer.tokens(ids=np.concatenate([e.ids for e in encoded]),
@@ -194,4 +194,4 @@ def _first_seen(folder: Path, records: list[dict], rows: int) -> list[tuple]:
 
 def locate(record: dict, k: int) -> str:
     """Where row k of a shard came from (counted only for messages)."""
-    return pieces.locate(record["source"], record["kind"], record["range"][0], k)
+    return readers.locate(record["source"], record["kind"], record["range"][0], k)

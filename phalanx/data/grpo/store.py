@@ -24,7 +24,7 @@ import numpy as np
 
 from phalanx.core.config import Config, ConfigError
 from phalanx.core.runfolder import write_json
-from phalanx.data import cache, counts, pieces, pool, prepare
+from phalanx.data import cache, counts, pool, prepare, readers
 from phalanx.data.chat.encode import ChatEncoder, Encoded
 from phalanx.data.chat.store import CHAT, chat_settings, load_tokenizer
 from phalanx.data.grpo import arithmetic
@@ -82,11 +82,11 @@ def _rows(cfg: Config, split: Split):
             yield record, (lambda i=i: f"built-in data row {i + 1}")
         return
     source = open_source(split, cfg.data.format)
-    for piece in pieces.plan(source, FIELDS, pool.piece_bytes(cfg.data.shard_mb, source.size)):
+    for piece in readers.plan(source, FIELDS, pool.piece_bytes(cfg.data.shard_mb, source.size)):
         k = 0
-        for rows, _ in pieces.rows(piece, FIELDS):
+        for rows, _ in readers.rows(piece, FIELDS):
             for (record,) in rows:
-                yield record, (lambda p=piece, k=k: pieces.locate(p.source, p.kind, p.start, k))
+                yield record, (lambda p=piece, k=k: readers.locate(p.source, p.kind, p.start, k))
                 k += 1
 
 

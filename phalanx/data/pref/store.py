@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import counts, pieces, store, units
+from phalanx.data import counts, readers, store, units
 from phalanx.data.chat.encode import ChatSettings
 from phalanx.data.chat.store import TemplateUnits, chat_settings, load_tokenizer
 from phalanx.data.pref.encode import EncodedPair, PairEncoder
@@ -53,20 +53,20 @@ class PreferenceFormat(TemplateUnits):
         how = chat_settings(cfg, load_tokenizer(str(tok_dir)), "assistant", "keep_end")
         return PairJob(str(tok_dir), pair_fields(cfg.preference), cfg.preference.format, how), {}
 
-    def encode(self, job: PairJob, piece: pieces.Piece, writer: store.ShardWriter, progress) -> dict:
+    def encode(self, job: PairJob, piece: readers.Piece, writer: store.ShardWriter, progress) -> dict:
         enc = pair_encoder(job.tokenizer_dir, job.settings)
         tally, eot, template_tokens, k = counts.Tally(), set(), set(), 0
-        for rows, n in pieces.rows(piece, self.fields(None)):
+        for rows, n in readers.rows(piece, self.fields(None)):
             kept = []
             for (record,) in rows:
                 try:
                     pair = to_pair(record, job.fields, job.pair_format, "")
                 except ConfigError as e:  # located only now: counting lines is slow, errors are rare
-                    raise ConfigError(f"{pieces.locate(piece.source, piece.kind, piece.start, k)}{e}") from None
+                    raise ConfigError(f"{readers.locate(piece.source, piece.kind, piece.start, k)}{e}") from None
                 try:
                     got = enc.encode(pair)
                 except ConfigError as e:  # the template writes no end-of-turn token: every pair would fail
-                    raise ConfigError(f"{pieces.locate(piece.source, piece.kind, piece.start, k)}: {e}") from None
+                    raise ConfigError(f"{readers.locate(piece.source, piece.kind, piece.start, k)}: {e}") from None
                 tally.add(k, got)
                 k += 1
                 if isinstance(got, EncodedPair):

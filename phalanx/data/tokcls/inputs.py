@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import pieces, readers, sources
+from phalanx.data import readers, sources
 
 
 def read_sentences(path: str, cfg: Config) -> tuple[list[list[str]], list[str]]:
@@ -25,8 +25,8 @@ def read_sentences(path: str, cfg: Config) -> tuple[list[list[str]], list[str]]:
         found, carried = [words for words, _, _ in parsed], [tag for _, tags, _ in parsed for tag in tags if tag]
     elif f.kind in ("jsonl", "parquet"):
         fields = ((t.tokens_field, "words"),)
-        found = [list(row[0]) for piece in pieces.plan(source, fields, 1 << 40)
-                 for batch, _ in pieces.rows(piece, fields) for row in batch]
+        found = [list(row[0]) for piece in readers.plan(source, fields, 1 << 40)
+                 for batch, _ in readers.rows(piece, fields) for row in batch]
         carried = []
     else:
         raise ConfigError(f"--input: '{path}' is {f.kind}; token_classify reads CoNLL (.conll), JSON Lines or Parquet "

@@ -19,7 +19,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from phalanx.core.config import Config, ConfigError
-from phalanx.data import layout, pieces, prepare, readers, store
+from phalanx.data import layout, prepare, readers, store
 from phalanx.data.sources import Split, source_identity, splits
 from phalanx.data.tokcls import labels as tags
 from phalanx.data.tokcls import windows as win
@@ -150,11 +150,11 @@ class TokenClassifyFormat(prepare.RecordFormat):
         t = cfg.token_classify
         return TagJob(str(tok_dir), t.max_length, t.stride, self.fields(cfg)), {}
 
-    def encode(self, job: TagJob, piece: pieces.Piece, writer: store.ShardWriter, progress) -> dict:
+    def encode(self, job: TagJob, piece: readers.Piece, writer: store.ShardWriter, progress) -> dict:
         tok, specials = _tokenizer(job.tokenizer_dir)
         codes: dict = {}  # raw tag -> its code in this shard
         sentences = words = 0
-        for rows, n in pieces.rows(piece, job.fields):
+        for rows, n in readers.rows(piece, job.fields):
             split = [list(r[0]) for r in rows]
             for sentence, subwords, row in zip(split, win.word_pieces(tok, split, specials.unk), rows):
                 sentence_codes = [codes.setdefault(t, len(codes)) for t in row[1]]
@@ -263,7 +263,7 @@ def _where_code(folder: Path, record: dict, code: int) -> str:
     lengths, window = layout.shard_array(folder, record, "lengths"), layout.shard_array(folder, record, "window")
     row = int(np.searchsorted(np.cumsum(lengths), token, side="right"))
     sentence = int((np.asarray(window[:row + 1]) == 0).sum()) - 1
-    return pieces.locate(record["source"], record["kind"], record["range"][0], sentence)
+    return readers.locate(record["source"], record["kind"], record["range"][0], sentence)
 
 
 def _where_first(folder: Path, records: list[dict], odd) -> str:
@@ -285,8 +285,8 @@ def show(cfg: Config, n: int) -> str:
     fields = fields_of(cfg)
     source = open_source(splits(cfg)[0], cfg.data.format)
     texts = []
-    for piece in pieces.plan(source, fields, 1 << 20):
-        for rows, _ in pieces.rows(piece, fields):
+    for piece in readers.plan(source, fields, 1 << 20):
+        for rows, _ in readers.rows(piece, fields):
             texts += [list(r[0]) for r in rows[:n - len(texts)]]
         if len(texts) >= n:
             break

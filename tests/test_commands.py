@@ -68,7 +68,9 @@ def _items(task: str, data: dict, cache_dir) -> list[str]:
             *(a.replace("BASE", str(data["base"])) for a in DATA[task])]
 
 
-@pytest.mark.parametrize("task", sorted(TASKS))
+# lm, the default job, runs in `make test`; each other task's train, predict and chat paths have their own
+# end-to-end tests in its test file, so here they are slow-marked (`make test-all`).
+@pytest.mark.parametrize("task", [t if t == "lm" else pytest.param(t, marks=pytest.mark.slow) for t in sorted(TASKS)])
 def test_every_command_on_the_tasks_example(task, data, tmp_path, cache_dir):
     spec = TASKS[task]
     items = _items(task, data, cache_dir)

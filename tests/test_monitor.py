@@ -67,7 +67,7 @@ def test_even_run_names_no_straggler(even_run):
 
 def test_slow_rank_is_named_as_straggler(tmp_path, cache_dir):
     proc = phalanx(*lm_args(tmp_path, cache_dir, "train.max_steps=10", "train.log_every=2",
-                            "debug.fault=slow:rank=1:step=0:seconds=0.05", "log.straggler_margin=0.8"),
+                            "debug.fault=slow:rank=1:step=0:seconds=0.3", "log.straggler_margin=0.8"),
                    "--nproc-per-node", 2, check=True, timeout=180)
     assert "warning: rank 1 is a straggler" in proc.stdout
     assert "rank 0 is a straggler" not in proc.stdout

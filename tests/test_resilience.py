@@ -248,7 +248,7 @@ def test_hang_is_diagnosed_and_the_job_exits(tmp_path, small_text, cache_dir):
         text = (run / "hang" / f"rank{r}.txt").read_text()
         assert "Thread" in text or "File" in text  # a real Python stack
     assert "in fire" in (run / "hang" / "rank1.txt").read_text()  # the injected sleep, named in its stack
-    assert elapsed < 60  # start-up + 3 steps + timeout + a few seconds, not the 120 s sleep
+    assert elapsed < 110  # start-up + 3 steps + timeout (start-up alone ~30 s on a busy machine), not the 120 s sleep
 
 
 class _Evil:

@@ -1,5 +1,3 @@
-import sys
+from phalanx.cli import entry
 
-from phalanx.cli import main
-
-sys.exit(main())
+entry()

@@ -17,10 +17,17 @@ IMAGE_TORCH_INDEX ?= $(or $(TORCH_INDEX),https://download.pytorch.org/whl/cpu)
 
 setup: $(VENV)/.stamp
 
+# Packages go in through uv, installed into .venv first (pip where uv cannot be had): a fresh set-up took 5-8
+# minutes with pip here, under a minute with uv. uv reads no pip.conf, so pip's local wheel folders are passed on.
+UV_ARGS := --python $(BIN)/python $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
+
 $(VENV)/.stamp: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_INDEX_ARG) "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test]"
+	test -x $(BIN)/uv || $(BIN)/pip install -q uv || true
+	install="$(BIN)/pip install -q"; \
+	if [ -x $(BIN)/uv ]; then install="$(BIN)/uv pip install -q $(UV_ARGS)"; fi; \
+	{ $(BIN)/python -c "import torch" 2>/dev/null || $$install $(TORCH_INDEX_ARG) "$(TORCH_SPEC)"; } && \
+	$$install -e ".[test]"
 	touch $@
 
 demo: setup          ## the main job on its built-in default (small GPT on stdlib docstrings, 2 processes)

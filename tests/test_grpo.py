@@ -21,7 +21,7 @@ from phalanx.core.config import ConfigError, load_config
 from phalanx.data.grpo import arithmetic, store
 from phalanx.model.sampling import Sampler, Sampling
 from phalanx.tasks import grpo_loss as L
-from phalanx.tasks.grpo import ROLLOUT, GRPOTask
+from phalanx.tasks.grpo import ROLLOUT, GenerationBatch, GRPOTask
 from phalanx.tasks.grpo_rewards import answer_number, load_rewards, reference_number, score
 
 TESTS = Path(__file__).parent
@@ -330,6 +330,67 @@ def test_global_normalisation_and_its_negative_control(tiny, prompts, tmp_path):
     assert abs(one - local) > 1e-4  # ... so per-micro-batch means are another loss
 
 
+def test_num_iterations_trains_a_generation_batch_again_against_its_old_logps(tiny, prompts, tmp_path):
+    """num_iterations = 2: step 0 generates and keeps its rows with the old policy's log-probs (the current ones
+    then: ratio 1); step 1 draws the same prompts and trains on the same rows without generating, and once the
+    weights moved its loss is the clipped surrogate of exp(logp - old) (a float64 script over a float64 copy of
+    the model); the kept rows survive the checkpoint's JSON exactly; step 2 generates anew, and a rank without
+    the batch (a resume on another world size) is a config error. Negative control: on-policy log-probs at step
+    1 give another loss."""
+    task, trainee = make_task(tiny, prompts, tmp_path / "cache", "grpo.num_iterations=2", "grpo.loss_type=dapo",
+                              "grpo.epsilon=0.05")
+    g, drawn = task.cfg.grpo, [task.collate(task.train_set, [0, 1, 2])]
+    (first,) = task.rollout(trainee, drawn, step=0)
+    with torch.no_grad():
+        torch.testing.assert_close(first["old_logps"], task._token_logps(trainee.model, first), rtol=0, atol=1e-6)
+        gen = torch.Generator().manual_seed(0)
+        for p in trainee.model.parameters():  # a step's worth of change
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    (again,) = task.rollout(trainee, drawn, step=1)
+    for k in ("input_ids", "labels", "token_adv", "old_logps", "row_rewards"):
+        torch.testing.assert_close(again[k], first[k], rtol=0, atol=0, equal_nan=True)
+    timed = ROLLOUT.index("generation_s")
+    assert first["rollout_sums"][timed] > 0 and again["rollout_sums"][timed] == 0
+
+    totals = task.step_counts(again)
+    loss, sums = task.step_loss(trainee.model, again, totals)
+    logp = [x for row in float64_logps(trainee.model, again, g.temperature) for x in row]
+    old, adv = again["old_logps"].double().tolist(), again["token_adv"].double().tolist()
+    want = 0.0
+    for x, o, a in zip(logp, old, adv):
+        ratio = math.exp(x - o)
+        want -= min(ratio * a, min(max(ratio, 1 - g.epsilon), 1 + g.epsilon) * a)
+    want /= len(logp)
+    assert abs(float(loss) - want) < 1e-6, (float(loss), want)
+    assert sums[len(ROLLOUT) + 1] + sums[len(ROLLOUT) + 2] > 0  # some tokens clipped: the ratio is not 1
+    on_policy, _ = task.step_loss(trainee.model, {k: v for k, v in again.items() if k != "old_logps"}, totals)
+    assert abs(float(on_policy) - float(loss)) > 1e-4
+
+    saved = GenerationBatch()
+    saved.load_state_dict(json.loads(json.dumps(task.generation.state_dict())))
+    assert (saved.step, saved.prompts) == (0, [[0, 1, 2]])
+    for k, v in first.items():
+        if torch.is_tensor(v):
+            torch.testing.assert_close(saved.batches[0][k], v, rtol=0, atol=0, equal_nan=True)
+    (fresh,) = task.rollout(trainee, [task.collate(task.train_set, [3, 4, 5])], step=2)
+    assert task.generation.step == 2 and fresh["rollout_sums"][timed] > 0
+    task.generation = GenerationBatch()
+    with pytest.raises(ConfigError, match="resumes on the number of processes that saved it"):
+        task.rollout(trainee, [task.collate(task.train_set, [3, 4, 5])], step=3)
+
+
+def test_the_sampler_repeats_each_global_batch_num_iterations_times():
+    """Steps 2k and 2k+1 draw the same global batch, which is step k's of the order without repeats: every
+    sample once per num_iterations passes of the steps (TRL's RepeatSampler, per global batch)."""
+    from phalanx.data.samplers import GlobalBatchSampler
+
+    once, twice = GlobalBatchSampler(12, 4, 2, seed=3), GlobalBatchSampler(12, 4, 2, seed=3, repeat=2)
+    for step in range(8):
+        np.testing.assert_array_equal(twice.global_batch(4 * step), once.global_batch(4 * (step // 2)))
+    seen = np.concatenate([twice.global_batch(4 * s) for s in range(0, 6, 2)])
+    assert sorted(seen.tolist()) == list(range(12)) and twice.epochs(24) == 1.0
+
+
 # ---- whole runs ----------------------------------------------------------------------------------------
 RUN = ["train.global_batch_size=4", "train.max_steps=2", "train.log_every=1", "train.eval_every=0",
        "train.checkpoint_every=0", "dist.threads_per_worker=1", "dist.backend=gloo", "grpo.log_completions_every=1"]
@@ -346,16 +407,19 @@ def rollout_metrics(run: Path) -> list[tuple]:
 def test_one_process_equals_two_processes_with_accumulation(tiny, prompts, tmp_path, cache_dir):
     """The same completions (their lengths, rewards and entropies, summed over every rank), losses and final
     weights on 1 process (one micro-batch of 4 prompts) and on 2 processes with accumulation 2 (micro-batches
-    of 1 prompt), rewards scaled by the batch's std. Accumulation alone:
+    of 1 prompt), rewards scaled by the batch's std, with num_iterations 2: step 2 trains step 1's completions
+    again (off-policy, clipped), step 3 generates. Accumulation alone:
     test_global_normalisation_and_its_negative_control."""
     runs = {}  # scale_rewards=batch: the std of the whole global batch, all-reduced inside the rollout
     for name, extra, nproc in [("one", ["train.micro_batch_size=4"], 1), ("ddp2", ["train.micro_batch_size=1"], 2)]:
-        extra.append("grpo.scale_rewards=batch")
+        extra += ["grpo.scale_rewards=batch", "grpo.num_iterations=2", "train.max_steps=3"]
         runs[name] = tmp_path / name
         phalanx("train", *grpo_args(tiny, prompts, cache_dir, *RUN, *extra), "--run-dir", runs[name],
                 "--nproc-per-node", nproc, env=ENV, check=True, timeout=240)
     base = runs["one"]
-    assert len(train_losses(base)) == 2 and rollout_metrics(base)[0][0] == rollout_metrics(base)[0][0]
+    assert len(train_losses(base)) == 3 and rollout_metrics(base)[0][0] == rollout_metrics(base)[0][0]
+    assert rollout_metrics(base)[1] == rollout_metrics(base)[0] != rollout_metrics(base)[2]  # step 2 = step 1's batch
+    assert [m["time/generation_s"] == 0 for m in metrics(base) if "time/generation_s" in m] == [False, True, False]
     for other in ("ddp2",):
         assert rollout_metrics(runs[other]) == rollout_metrics(base), other
         for step, loss in train_losses(base).items():
@@ -364,23 +428,29 @@ def test_one_process_equals_two_processes_with_accumulation(tiny, prompts, tmp_p
         for name in q:
             torch.testing.assert_close(p[name], q[name], rtol=1e-5, atol=1e-5, msg=name)  # Adam magnifies last bits
     logged = [json.loads(x) for x in (base / "completions.jsonl").read_text().splitlines()]
-    assert {x["step"] for x in logged} == {1, 2} and "grpo_test_rewards:length_reward" in logged[0]["rewards"]
+    assert {x["step"] for x in logged} == {1, 3} and "grpo_test_rewards:length_reward" in logged[0]["rewards"]
 
 
 @pytest.mark.slow
 def test_sigkill_mid_run_resumes_bitwise(tiny, prompts, tmp_path, cache_dir):
-    """Killed at step 3 (checkpoint at 2), the run resumes and ends with the uninterrupted run's losses,
-    rollouts and weights, bit for bit: generation is a function of the weights and (seed, step, prompt, k)."""
-    extra = [*RUN, "train.max_steps=4", "train.checkpoint_every=2", "train.micro_batch_size=2"]
+    """num_iterations 2, killed at step 4 (checkpoint at 3, inside the generation batch of step 3), the run
+    resumes and ends with the uninterrupted run's losses, rollouts and weights, bit for bit: step 4 trains on
+    the completions and old log-probs the checkpoint kept per rank, and later generation is a function of the
+    weights and (seed, step, prompt, k). That checkpoint on another number of processes is exit 2 before any
+    worker starts (each rank kept its own completions)."""
+    extra = [*RUN, "train.max_steps=5", "train.checkpoint_every=3", "train.micro_batch_size=2", "grpo.num_iterations=2"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     phalanx("train", *grpo_args(tiny, prompts, cache_dir, *extra), "--run-dir", ref, "--nproc-per-node", 2, env=ENV,
             check=True, timeout=240)
-    first = phalanx("train", *grpo_args(tiny, prompts, cache_dir, *extra, "debug.fault=kill:rank=1:step=3"),
+    first = phalanx("train", *grpo_args(tiny, prompts, cache_dir, *extra, "debug.fault=kill:rank=1:step=4"),
                     "--run-dir", run, "--nproc-per-node", 2, env=ENV, timeout=240)
     assert first.returncode == 1, first.stderr[-3000:]
+    elsewhere = phalanx("train", *grpo_args(tiny, prompts, cache_dir, *extra), "--run-dir", run, "--nproc-per-node", 1,
+                        env=ENV, timeout=240)
+    assert elsewhere.returncode == 2 and "inside a generation batch" in elsewhere.stderr, elsewhere.stderr[-2000:]
     second = phalanx("train", *grpo_args(tiny, prompts, cache_dir, *extra), "--run-dir", run, "--nproc-per-node", 2,
                      env=ENV, check=True, timeout=240)
-    assert "at step 2" in second.stdout
+    assert "at step 3" in second.stdout
     assert train_losses(run) == train_losses(ref)
     assert rollout_metrics(run)[-2:] == rollout_metrics(ref)[-2:]
     p, q = final_params(run), final_params(ref)

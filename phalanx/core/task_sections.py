@@ -129,8 +129,10 @@ class GRPOConfig:
     reference: str = setting("auto", "beta > 0: the reference's log-probs: adapters_off = the policy with its LoRA "
                              "adapters disabled (needs model.lora.r > 0); model = a frozen copy of the initial model; "
                              "auto = adapters_off under LoRA, else model", choices=["auto", "adapters_off", "model"])
-    num_iterations: int = setting(1, "updates per generation batch (mu); 1 = on-policy (old log-probs are the "
-                                  "current ones, detached, as TRL does)", min=1, max=1)
+    num_iterations: int = setting(1, "updates per generation batch (mu, TRL's num_iterations): the same prompts and "
+                                  "completions are trained on for mu steps in a row against the old policy's "
+                                  "log-probs (clipped ratio); 1 = on-policy (the old log-probs are the current ones, "
+                                  "detached, as TRL does)", min=1)
     loss_type: str = setting("dapo", "the loss's normalisation, as TRL 1.16 defines each, over the whole global batch: "
                              "grpo = each completion's mean token loss, averaged over completions; dr_grpo = the "
                              "token losses' sum over completions x max_completion_length; dapo = their sum over the "

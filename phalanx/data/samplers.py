@@ -248,7 +248,7 @@ class GlobalBatchSampler:
     """Maps a global sample offset to the indices of the next global batch, and to this rank's share."""
 
     def __init__(self, num_samples: int, global_batch_size: int, micro_batch_size: int, seed: int,
-                 order: EpochOrder | None = None):
+                 order: EpochOrder | None = None, repeat: int = 1):
         if num_samples < 1:
             raise ValueError("the training set is empty")
         self.n = num_samples
@@ -256,6 +256,7 @@ class GlobalBatchSampler:
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.order = order or shuffled_order(num_samples)
+        self.repeat = repeat  # each global batch is drawn this many steps in a row (GRPO's num_iterations)
         self._cache: dict[int, np.ndarray] = {}
         self.epoch = 0
 
@@ -279,7 +280,18 @@ class GlobalBatchSampler:
             pos += take
         return np.concatenate(out)
 
+    def source(self, offset: int) -> int:
+        """The offset in the order that the step at global sample offset `offset` draws from: itself, or with
+        `repeat` r the first of the r steps that share its global batch (TRL's RepeatSampler, per batch)."""
+        g = self.global_batch_size * self.repeat
+        return offset if self.repeat == 1 else offset // g * self.global_batch_size
+
+    def epochs(self, offset: int) -> float:
+        """Passes over the training set up to global sample offset `offset`."""
+        return self.source(offset) / self.n
+
     def global_batch(self, offset: int) -> np.ndarray:
+        offset = self.source(offset)
         epoch = offset // self.n
         if epoch != self.epoch:
             self.set_epoch(epoch)
@@ -289,7 +301,7 @@ class GlobalBatchSampler:
         """The shards the order needs from global offset `offset` on, in order of need: with the windowed
         order, those of the windows the next global batch draws from and of the window after them; with
         another, those of the next two global batches."""
-        g = self.global_batch_size
+        g, offset = self.global_batch_size, self.source(offset)
         order = self.epoch_indices(offset // self.n)
         if not isinstance(order, WindowedPermutation):
             return plan.shards_of(self.stream(offset, 2 * g)).tolist()

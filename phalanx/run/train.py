@@ -98,9 +98,10 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     say(info, start_line(cfg, info, tr, accum))
     state = TrainState(data_order=order_version(cfg.data.order, cfg.data.store_url))  # a resume keeps its own
     checkpointer, saved = Checkpointer(folder.root, info, t.keep_checkpoints), checkpoint_dict(tr, state)
+    saved.per_rank.update(task.rank_states())
     resumed = _resume(cfg, checkpointer, saved, state, info)
     sampler = GlobalBatchSampler(len(task.train_set), t.global_batch_size, t.micro_batch_size, t.seed,
-                                 task.train_order(state.data_order))
+                                 task.train_order(state.data_order), repeat=task.repeats)
     monitor = Monitor(folder.root, enabled=info.is_main, progress=cfg.log.progress, max_steps=t.max_steps,
                       start_step=state.step, cfg=cfg)
     if resumed:
@@ -216,7 +217,7 @@ def _loop(run: Run, tr: Trainee, task, state: TrainState) -> tuple[bool, dict, f
             # loss, rates, time split, per-rank resources, MFU: one gather on all ranks, the line on rank 0
             monitor.train(step, {**run.telemetry.collect(step), **_task_metrics(run, task, task_sums), "lr": r.lr,
                                  "grad_norm": r.grad_norm, "tokens_seen": state.tokens_seen,
-                                 "epoch": state.samples_seen / len(task.train_set)})
+                                 "epoch": run.batches.sampler.epochs(state.samples_seen)})
             task_sums = None
 
 

@@ -42,6 +42,12 @@ class Task(Protocol):
     # this rank's host micro-batches of a step, before they are counted: the task's work on the model (GRPO:
     # generate and score completions) gives the batches the step trains on
     def rollout(self, trainee, batches: list[dict], step: int, beat=None) -> list[dict]: ...
+    # steps in a row that draw the same global batch (GRPO's num_iterations; 1 for the others), and the task's
+    # own per-rank state that a checkpoint must hold (GRPO: a generation batch still in use), by name
+    repeats: int
+    def rank_states(self) -> dict: ...
+    @classmethod
+    def check_resume(cls, cfg: Config, meta: dict, worlds: list[int]) -> None: ...
     def batch_tokens(self, batch: dict) -> int: ...
     def useful_tokens(self, batch: dict) -> int: ...
     # a training step: counts summed over the global batch (one all-reduce), then each micro-batch's part of
@@ -66,6 +72,7 @@ class TaskBase:
     FORMAT: prepare.RecordFormat  # the record format of the task's stores (data/prepare.py)
     MISMATCHED = "error"  # a pretrained tensor of another shape: an error, or "init" (initialised anew)
     EVAL_OUTPUTS = False  # eval_sums returns sums only (see Task.EVAL_OUTPUTS)
+    repeats = 1  # each global batch is one step's
 
     def __init__(self, cfg: Config, info):
         self.cfg, self.info = cfg, info
@@ -78,6 +85,10 @@ class TaskBase:
                               f"got {cfg.model.arch!r}")
 
     # ---- data -------------------------------------------------------------------------------
+    @classmethod
+    def check_resume(cls, cfg: Config, meta: dict, worlds: list[int]) -> None:
+        """In the launcher: whether the checkpoint of meta.json `meta` resumes on these world sizes (any, here)."""
+
     @classmethod
     def preflight(cls, cfg: Config) -> None:
         """Bounded checks in the launcher (files exist, UTF-8, JSON, fields on a sample)."""
@@ -123,6 +134,10 @@ class TaskBase:
         (on the host: the loop counts and copies them), calling `beat(k)` per unit of its work (the hang
         watchdog); the loop times it as the step's rollout."""
         return batches
+
+    def rank_states(self) -> dict:
+        """Per-rank state a checkpoint holds beside the loop's (run/checkpoint.CheckpointDict.per_rank): none."""
+        return {}
 
     def step_counts(self, batch: dict) -> list[float]:
         """This micro-batch's counts that normalise the loss, counted on the host; the loop sums them over

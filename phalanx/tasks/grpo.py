@@ -11,7 +11,11 @@ loop's rollout seam (TaskBase.rollout) turns this rank's prompt micro-batches in
    all-reduces the rewards' moments (one small collective);
 3. with grpo.beta > 0, the reference's per-token log-probs (LoRA's adapters off, or a frozen copy);
 4. training rows: prompt + completion, right-padded, the completion's tokens the only targets (the output head
-   runs only there, model/head.py, at the sampling temperature as TRL scores).
+   runs only there, model/head.py, at the sampling temperature as TRL scores);
+5. with grpo.num_iterations = mu > 1, the old policy's per-token log-probs (no dropout), and the rows are kept:
+   the next mu - 1 steps draw the same prompts (the sampler repeats each global batch mu times, as TRL's
+   RepeatSampler) and train on these rows again against those log-probs, without generating. A checkpoint holds
+   the kept rows per rank (GenerationBatch), so a resume inside a generation batch trains on the same ones.
 
 step_counts gives [completions, loss tokens]; the loop sums them over the global batch in its one all-reduce,
 so each micro-batch's loss part is divided by global counts: 1, N processes and accumulation make one update.
@@ -55,6 +59,9 @@ class GRPOTask(ChatTask):
         self.weights = weights_of(cfg)
         self.reference = None        # the frozen copy (grpo.reference resolved to model)
         self.lengths = [np.inf, -np.inf]  # completion length min / max over the log window (global)
+        self.repeats = cfg.grpo.num_iterations
+        self.generated_lengths = [np.inf, -np.inf]  # the last generation batch's shortest and longest completion
+        self.generation = GenerationBatch()  # the generation batch the steps train on while num_iterations > 1
 
     # ---- in the launcher ------------------------------------------------------------------------
     @classmethod
@@ -74,6 +81,15 @@ class GRPOTask(ChatTask):
             raise ConfigError("config key 'grpo.reference': adapters_off needs LoRA (model.lora.r > 0)")
         load_rewards(cfg)
         super().check_config(cfg)
+
+    @classmethod
+    def check_resume(cls, cfg: Config, meta: dict, worlds: list[int]) -> None:
+        mu, step, saved = cfg.grpo.num_iterations, int(meta.get("step", 0)), meta.get("world_size")
+        if mu > 1 and step % mu and any(w != saved for w in worlds):
+            raise ConfigError(f"config key 'grpo.num_iterations': the checkpoint at step {step} is inside a generation "
+                              f"batch (one every {mu} steps) and was saved by {saved} processes, each keeping its own "
+                              f"completions: resume it with {saved} processes (here {', '.join(map(str, worlds))}), "
+                              f"or from a checkpoint at a multiple of {mu} steps")
 
     @classmethod
     def preflight(cls, cfg: Config) -> None:
@@ -139,7 +155,41 @@ class GRPOTask(ChatTask):
         sampling = Sampling(g.temperature, g.top_p, g.top_k, greedy)
         return Sampler(model, [s for s in stops if s is not None], sampling, getattr(self.trainee, "autocast", None))
 
+    def rank_states(self) -> dict:
+        return {"grpo_generation": self.generation} if self.repeats > 1 else {}
+
     def rollout(self, trainee, batches: list[dict], step: int, beat=None) -> list[dict]:
+        first = step - step % self.repeats  # the step that generated the batch this one trains on
+        if step != first:
+            return self._again(batches, step, first)
+        out = self._generate(trainee, batches, step, beat)
+        if self.repeats > 1:
+            for b in out:
+                b["old_logps"] = self._old_logps(trainee.model, b)
+            self.generation.keep(step, [b["prompt_index"] for b in batches], out, self.generated_lengths)
+        return out
+
+    def _again(self, batches: list[dict], step: int, first: int) -> list[dict]:
+        """A later step of a generation batch: the kept rows, their rollout sums without the generation's time."""
+        kept = self.generation
+        if kept.step != first:
+            raise ConfigError(f"config key 'grpo.num_iterations': step {step + 1} trains on the completions generated "
+                              f"at step {first + 1}, which this rank does not hold: a checkpoint inside a generation "
+                              f"batch (num_iterations={self.repeats}) resumes on the number of processes that saved "
+                              f"it, since each rank keeps its own completions; resume with that --nproc-per-node, or "
+                              f"from a checkpoint at a multiple of {self.repeats} steps")
+        if kept.prompts != [b["prompt_index"] for b in batches]:
+            raise RuntimeError(f"step {step + 1} drew other prompts than its generation batch (step {first + 1})")
+        self.lengths = [min(self.lengths[0], kept.lengths[0]), max(self.lengths[1], kept.lengths[1])]
+        timed = [ROLLOUT.index("generation_s"), ROLLOUT.index("reference_s")]
+        out = []
+        for b in kept.batches:
+            sums = b["rollout_sums"].clone()
+            sums[timed] = 0.0
+            out.append({**b, "rollout_sums": sums})
+        return out
+
+    def _generate(self, trainee, batches: list[dict], step: int, beat=None) -> list[dict]:
         cfg, g = self.cfg, self.cfg.grpo
         sampler, t0 = self.sampler(trainee.model), time.perf_counter()
         made = []  # per micro-batch: [(prompt index, prompt ids, record, Completions)]
@@ -162,6 +212,7 @@ class GRPOTask(ChatTask):
         adv, zero_spread = L.advantages(total, g.num_generations, g.scale_rewards, batch_std)
         lengths = np.array([len(c[0]) for _, c, _ in flat])
         lo, hi = dist.all_reduce([-float(lengths.min()), float(lengths.max())], self.info, "max")
+        self.generated_lengths = [-lo, hi]
         self.lengths = [min(self.lengths[0], -lo), max(self.lengths[1], hi)]
         t1 = time.perf_counter()
         out, start = [], 0
@@ -218,6 +269,17 @@ class GRPOTask(ChatTask):
     def _token_logps(self, model, batch: dict) -> torch.Tensor:
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         return target_logprobs(model, inputs, batch["labels"], temperature=self.cfg.grpo.temperature).logp
+
+    @torch.no_grad()
+    def _old_logps(self, model, batch: dict) -> torch.Tensor:
+        """The policy's per-token log-probs as it generated (eval mode: no dropout noise in the old policy)."""
+        was_training = model.training
+        model.eval()
+        try:
+            with self.trainee.autocast():
+                return self._token_logps(model, batch)
+        finally:
+            model.train(was_training)
 
     @torch.no_grad()
     def _reference_logps(self, model, batch: dict) -> torch.Tensor:
@@ -278,7 +340,9 @@ class GRPOTask(ChatTask):
         g = self.cfg.grpo
         logp = self._token_logps(model, batch)
         adv = batch["token_adv"]
-        losses, terms = L.token_losses(logp, logp.detach(), adv, g.epsilon, g.epsilon_high or g.epsilon, g.beta,
+        old = batch.get("old_logps")  # num_iterations > 1; on-policy, the current log-probs detached (ratio 1)
+        old = logp.detach() if old is None else old
+        losses, terms = L.token_losses(logp, old, adv, g.epsilon, g.epsilon_high or g.epsilon, g.beta,
                                        batch.get("ref_logps"))
         loss = L.aggregate(losses, g.loss_type, batch["token_inv_len"], totals[0], totals[1], g.max_completion_length)
         own = torch.tensor([float(adv.numel()), float(terms["low"].sum()), float(terms["high"].sum()),
@@ -348,6 +412,33 @@ class GRPOTask(ChatTask):
         return {"train_samples": len(self.train_set), "val_samples": len(self.val_set),
                 "vocab_size": len(self.tokenizer), "loss_type": self.cfg.grpo.loss_type,
                 **{f"data_{k}": s[k] for k in ("records", "documents", "truncated", "dropped", "dropped_by")}}
+
+
+class GenerationBatch:
+    """This rank's rows of the generation batch in use (num_iterations > 1), as a checkpoint's per-rank JSON:
+    tensors as (dtype, shape, values), exact for float32/float64 and integers."""
+
+    def __init__(self):
+        self.step, self.prompts, self.batches, self.lengths = None, [], [], [np.inf, -np.inf]
+
+    def keep(self, step: int, prompts: list, batches: list[dict], lengths: list[float]) -> None:
+        self.step, self.prompts, self.batches, self.lengths = step, prompts, batches, list(lengths)
+
+    def state_dict(self) -> dict:
+        if self.step is None:
+            return {}
+        rows = [{k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
+                     "values": v.flatten().tolist()} if torch.is_tensor(v) else v for k, v in b.items()}
+                for b in self.batches]
+        return {"step": self.step, "prompts": self.prompts, "lengths": self.lengths, "batches": rows}
+
+    def load_state_dict(self, state: dict) -> None:
+        def tensor(v):
+            if not (isinstance(v, dict) and "dtype" in v):
+                return v
+            return torch.tensor(v["values"], dtype=getattr(torch, v["dtype"])).reshape(v["shape"])
+        self.keep(state["step"], state["prompts"], [{k: tensor(v) for k, v in b.items()} for b in state["batches"]],
+                  state["lengths"])
 
 
 def reference_kind(cfg: Config) -> str:

@@ -5,8 +5,9 @@ Advantages (per completion): r = sum_f w_f r_f (None -> left out; all None -> no
 group's r, divided by std + 1e-4 (scale_rewards: the group's std, or the whole global batch's; none: not
 divided); the std is unbiased (Bessel), as TRL's nanstd. A completion without a reward gets A = 0.
 
-Per completion token t of completion i (ratio = exp(logp - old logp); old = logp detached while
-num_iterations = 1, so the ratio is 1 and its gradient the policy gradient):
+Per completion token t of completion i (ratio = exp(logp - old logp); with num_iterations = 1, old = logp
+detached, so the ratio is 1 and its gradient the policy gradient; with mu > 1, old = the log-probs of the policy
+that generated the batch, kept for its mu steps):
     l_it = -min(ratio A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) A_i) + beta (exp(ref - logp) - (ref - logp) - 1)
 The loss over the global batch (M: each completion's loss tokens; N: completions; T: loss tokens, all counted over
 every micro-batch of every rank by the loop's one all-reduce):

@@ -149,6 +149,8 @@ def preflight(cfg: Config, nproc_per_node: int, nnodes: str, force_resume: bool 
         if changed:
             raise ConfigError(f"checkpoint '{path}' was made with different training settings: "
                               f"{', '.join(changed)}; use --fresh to start over or --force-resume")
+    if meta:
+        get_task(cfg.task).check_resume(cfg, meta, [n * nproc_per_node for n in range(lo, hi + 1)])
     if meta and "base_model" in meta and meta["base_model"] != base_identity(cfg.model.pretrained, cache_root(
             cfg.data.cache_dir)) and (not force_resume or cfg.model.lora.r):  # adapters need their own base
         raise ConfigError(f"checkpoint '{path}' was trained from another base model than model.pretrained="

@@ -164,8 +164,10 @@ class GRPOTask(ChatTask):
             return self._again(batches, step, first)
         out = self._generate(trainee, batches, step, beat)
         if self.repeats > 1:
+            t0 = time.perf_counter()
             for b in out:
                 b["old_logps"] = self._old_logps(trainee.model, b)
+            out[0]["rollout_sums"][ROLLOUT.index("reference_s")] += time.perf_counter() - t0  # reference/old log-probs
             self.generation.keep(step, [b["prompt_index"] for b in batches], out, self.generated_lengths)
         return out
 

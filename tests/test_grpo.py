@@ -114,7 +114,6 @@ def test_a_failing_reward_function_is_named(name, message):
     (["grpo.reward_funcs=[no_such_module:f]"], "grpo.reward_funcs': cannot import 'no_such_module:f'"),
     (["grpo.reward_funcs=[format]"], "grpo.format_pattern': empty"),
     (["grpo.reward_weights=[1, 2]"], "grpo.reward_weights': 2 weights for 1 reward functions"),
-    (["train.strategy=fsdp"], "fsdp is not supported yet"),
     (["model.pretrained="], "starts from a trained chat model")])
 def test_config_errors_before_any_worker(tiny, overrides, message):
     cfg = load_config(None, ["task=grpo", f"model.pretrained={tiny}", "grpo.max_completion_length=16", *overrides],
@@ -407,11 +406,15 @@ def rollout_metrics(run: Path) -> list[tuple]:
 def test_one_process_equals_two_processes_with_accumulation(tiny, prompts, tmp_path, cache_dir):
     """The same completions (their lengths, rewards and entropies, summed over every rank), losses and final
     weights on 1 process (one micro-batch of 4 prompts) and on 2 processes with accumulation 2 (micro-batches
-    of 1 prompt), rewards scaled by the batch's std, with num_iterations 2: step 2 trains step 1's completions
-    again (off-policy, clipped), step 3 generates. Accumulation alone:
+    of 1 prompt), under ddp and under fsdp (sharded weights: the ranks decode in lockstep, and the rank whose
+    completions end first keeps making forwards), rewards scaled by the batch's std, with num_iterations 2: step 2
+    trains step 1's completions again (off-policy, clipped), step 3 generates. Accumulation alone:
     test_global_normalisation_and_its_negative_control."""
     runs = {}  # scale_rewards=batch: the std of the whole global batch, all-reduced inside the rollout
-    for name, extra, nproc in [("one", ["train.micro_batch_size=4"], 1), ("ddp2", ["train.micro_batch_size=1"], 2)]:
+    for name, extra, nproc in [("one", ["train.micro_batch_size=4"], 1), ("ddp2", ["train.micro_batch_size=1"], 2),
+                               # eval: 3 prompts, 1 and 2 per rank, so one rank generates a throw-away in lockstep
+                               ("fsdp2", ["train.micro_batch_size=2", "train.strategy=fsdp",
+                                          "train.eval_max_samples=3"], 2)]:
         extra += ["grpo.scale_rewards=batch", "grpo.num_iterations=2", "train.max_steps=3"]
         runs[name] = tmp_path / name
         phalanx("train", *grpo_args(tiny, prompts, cache_dir, *RUN, *extra), "--run-dir", runs[name],
@@ -420,7 +423,8 @@ def test_one_process_equals_two_processes_with_accumulation(tiny, prompts, tmp_p
     assert len(train_losses(base)) == 3 and rollout_metrics(base)[0][0] == rollout_metrics(base)[0][0]
     assert rollout_metrics(base)[1] == rollout_metrics(base)[0] != rollout_metrics(base)[2]  # step 2 = step 1's batch
     assert [m["time/generation_s"] == 0 for m in metrics(base) if "time/generation_s" in m] == [False, True, False]
-    for other in ("ddp2",):
+    assert [m["eval/samples"] for m in metrics(runs["fsdp2"]) if "eval/samples" in m] == [3]
+    for other in ("ddp2", "fsdp2"):
         assert rollout_metrics(runs[other]) == rollout_metrics(base), other
         for step, loss in train_losses(base).items():
             assert abs(train_losses(runs[other])[step] - loss) < 1e-5, (other, step)

@@ -9,11 +9,17 @@ prompt's group only, so a row's logits never depend on what else is in the batch
 low bits of the logits, and transformers' `generate` draws from the global RNG): completions are a function of
 (weights, prompt, seed), whatever the world size or the micro-batch. A row stops at a stop token (the
 assistant's end-of-turn, or EOS); the rows left keep decoding as a smaller batch.
+
+Under FSDP2 every forward is collective (each unit's weights are gathered from all ranks), so the ranks decode
+in lockstep: `agree(done)` (an all-reduce) says whether every rank's group is done, and a rank whose group ended
+first keeps making one-token forwards until then. The cost: each decoding step gathers the whole model once,
+plus one scalar all-reduce.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -49,10 +55,12 @@ class Sampler:
     """Sampling with a KV cache through `model`'s forward (a transformers causal LM, possibly under peft). Run
     on the unwrapped model: DDP's forward would wait for a backward that never comes."""
 
-    def __init__(self, model: torch.nn.Module, stop_ids: list[int], sampling: Sampling, autocast=None):
+    def __init__(self, model: torch.nn.Module, stop_ids: list[int], sampling: Sampling, autocast=None,
+                 agree: Callable[[bool], bool] | None = None):
         self.model, self.sampling = model, sampling
         self.stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
         self.autocast = autocast or contextlib.nullcontext
+        self.agree = agree  # sharded weights: whether every rank is done (see the module's docstring)
 
     @torch.no_grad()
     def generate(self, prompt: np.ndarray, seeds: list[int], max_new: int) -> Completions:
@@ -83,12 +91,17 @@ class Sampler:
                     lengths[live[stopped]] = t + 1
                     if stopped.all() or t == max_new - 1:
                         break
+                    if self.agree is not None:  # not done here: every rank makes this step's forward
+                        self.agree(False)
                     if stopped.any():  # finished rows leave the batch (and the cache)
                         keep = np.flatnonzero(~stopped)
                         cache.batch_select_indices(torch.as_tensor(keep, device=device))
                         live, picked = live[keep], picked[torch.as_tensor(keep, device=device)]
                     out = model(input_ids=picked[:, None], cache=cache, use_cache=True)
                     logits = out.logits[:, -1].float()
+                while self.agree is not None and not self.agree(True):  # the other ranks' forwards gather too
+                    model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False,
+                          logits_to_keep=1)
         finally:
             model.train(was_training)
         truncated = lengths == max_new

@@ -70,10 +70,6 @@ class GRPOTask(ChatTask):
         if not cfg.model.pretrained:
             raise ConfigError("config key 'model.pretrained': task grpo starts from a trained chat model (e.g. "
                               "runs/chat/final, or a GGUF or hub name); a model from scratch has nothing to sample")
-        if cfg.train.strategy == "fsdp":
-            raise ConfigError("config key 'train.strategy': task grpo runs under ddp (or one process); fsdp is not "
-                              "supported yet (generation with sharded weights needs every rank to run the same "
-                              "number of decoding forwards)")
         if g.max_completion_length >= cfg.model.block_size:
             raise ConfigError(f"config key 'grpo.max_completion_length': {g.max_completion_length} leaves no room for "
                               f"a prompt in model.block_size={cfg.model.block_size}")
@@ -150,10 +146,16 @@ class GRPOTask(ChatTask):
                 "records": [r for _, r in items]}
 
     # ---- the rollout ----------------------------------------------------------------------------
+    def sharded(self) -> bool:
+        """FSDP2-sharded weights: every forward is collective, so ranks generate in lockstep."""
+        return self.cfg.train.strategy == "fsdp" and self.info.world_size > 1
+
     def sampler(self, model, greedy: bool = False) -> Sampler:
         g, stops = self.cfg.grpo, [*self.data.end_of_turn, self.tokenizer.eos_token_id]
         sampling = Sampling(g.temperature, g.top_p, g.top_k, greedy)
-        return Sampler(model, [s for s in stops if s is not None], sampling, getattr(self.trainee, "autocast", None))
+        agree = (lambda done: dist.all_reduce([float(not done)], self.info, "max")[0] == 0) if self.sharded() else None
+        return Sampler(model, [s for s in stops if s is not None], sampling, getattr(self.trainee, "autocast", None),
+                       agree)
 
     def rank_states(self) -> dict:
         return {"grpo_generation": self.generation} if self.repeats > 1 else {}
@@ -385,10 +387,16 @@ class GRPOTask(ChatTask):
         then (sum, count) per reward function]."""
         sampler = self.sampler(getattr(model, "module", model), greedy=True)
         most = self.cfg.grpo.eval_max_tokens or self.cfg.grpo.max_completion_length
+        prompts = list(zip(batch["prompt_ids"], batch["records"]))
+        calls = len(prompts)
+        if self.sharded():  # a rank with fewer prompts this round generates as often (throw-aways), in lockstep
+            calls = int(dist.all_reduce([float(calls)], self.info, "max")[0])
         flat = []
-        for ids, record in zip(batch["prompt_ids"], batch["records"]):
+        for k in range(calls):
+            ids, record = prompts[min(k, len(prompts) - 1)]
             c = sampler.generate(ids, [0], most)
-            flat.append((record, (c.ids[0], c.truncated[0], c.entropy[0]), 0))
+            if k < len(prompts):
+                flat.append((record, (c.ids[0], c.truncated[0], c.entropy[0]), 0))
         rewards = self._score(flat)
         total = L.combined(rewards, self.weights)
         out = [float(len(flat)), float(sum(len(c[0]) for _, c, _ in flat)), float(np.nansum(total)),

@@ -199,6 +199,10 @@ def entry() -> None:
     code = main()
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
+    if not isinstance(code, int):  # as sys.exit reads it: None is success, anything else is said and fails
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
     atexit._run_exitfuncs()  # what the normal exit runs after joining threads; CPython has no public name for it
     sys.stdout.flush()
     sys.stderr.flush()

@@ -69,14 +69,64 @@ def pg():
 
 
 def phalanx(*args, timeout: float = 120, env: dict | None = None, check: bool = False) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess (as a user would)."""
+    """Run the real CLI in its own process (as a user would): forked from this pytest worker's pre-imported
+    zygote (tests/cli_zygote.py) when the environment is the zygote's, else `python -m phalanx`."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "phalanx", *map(str, args)], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    argv = [str(a) for a in args]
+    if env is None:
+        proc = _ZYGOTE.run(argv, full_env, timeout)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "phalanx", *argv], cwd=REPO, env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"phalanx {' '.join(map(str, args))} exited {proc.returncode}\n"
                              f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
     return proc
+
+
+class Zygote:
+    """One pre-imported `phalanx` process per pytest worker (tests/cli_zygote.py), restarted when the environment
+    changed (a fixture pointed it elsewhere): a command then runs without its ~8 s of imports."""
+
+    def __init__(self):
+        self.proc, self.env = None, None
+
+    def _start(self, env: dict) -> subprocess.Popen:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))], cwd=REPO,
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.env = env
+        assert json.loads(self.proc.stdout.readline()) == {"ready": True}
+        return self.proc
+
+    def run(self, argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+        import select
+        import signal
+        import tempfile
+
+        proc = self.proc if self.proc is not None and self.proc.poll() is None and self.env == env else self._start(env)
+        with tempfile.TemporaryDirectory(prefix="phalanx-cli-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(REPO), "out": str(out),
+                                         "err": str(err)}) + "\n")
+            proc.stdin.flush()
+            pid = json.loads(proc.stdout.readline())["pid"]
+            ready, _, _ = select.select([proc.stdout], [], [], timeout)
+            if not ready:  # as subprocess.run: kill it (and the workers it started), then raise
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            rc = json.loads(proc.stdout.readline())["rc"]
+            stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+        if not ready:
+            raise subprocess.TimeoutExpired(["phalanx", *argv], timeout, stdout, stderr)
+        return subprocess.CompletedProcess(["phalanx", *argv], rc, stdout, stderr)
+
+
+_ZYGOTE = Zygote()
 
 
 def srun_env(rank: int, port: int, job: str) -> dict:

@@ -173,6 +173,7 @@ def test_bf16_autocast_stays_close(small_chunks):
     assert float((g - w).norm() / w.norm()) < 5e-2
 
 
+@pytest.mark.slow  # ~45 s (the 135M model's forward and backward, twice): the tiny models above test the same path
 def test_the_real_smollm2(smollm2_folder):
     """SmolLM2-135M (real weights, vocabulary 49,152, tied embeddings, 30 layers): the loss within 1e-6 of
     today's path. Its gradients are compared with a float64-softmax reference, the better truth on a real

@@ -56,6 +56,7 @@ def test_export_loads_with_transformers_and_generates(one_and_two):
     assert proc.stdout.startswith("ROMEO:") and len(proc.stdout) > len("ROMEO:")
 
 
+@pytest.mark.slow  # ~35 s: loading model.pretrained folders is also what every chat, classify and preference test does
 def test_continue_from_a_local_pretrained_folder(one_and_two, tmp_path, cache_dir):
     """model.pretrained = a local Hugging Face folder: its weights and tokenizer are used."""
     run = tmp_path / "ft"

@@ -140,6 +140,7 @@ def lora_run(tmp_path_factory, pairs, base, cache_dir) -> Path:
     return run
 
 
+@pytest.mark.slow  # ~75 s: LoRA's bitwise resume after SIGKILL is also tested by chat (test_chat.py) and under FSDP
 def test_lora_resumes_bitwise_after_sigkill(lora_run, pairs, base, cache_dir, tmp_path):
     summary = json.loads((lora_run / "summary.json").read_text())
     assert summary["reference"] == "adapters_off" and 0 < summary["trainable_parameters"] < summary["parameters"]

@@ -104,17 +104,18 @@ def test_the_rule_also_zeroes_the_attention_dropout_that_llama_reads_as_a_float(
 
 
 def test_a_reference_pass_longer_than_the_startup_timeout_is_not_a_hang(base, tmp_path):
-    """24 pairs in 6 micro-batches of 4, each slowed by 2.5 s (debug.fault slow_reference): 15 s of pass
-    against a 10 s start-up timeout (which the worker's own start-up must stay under, on a busy machine too).
+    """24 pairs in 3 micro-batches of 8, each slowed by 8 s (debug.fault slow_reference): 24 s of pass
+    against a 20 s start-up timeout (which each stage of the worker's start-up must stay under, on a busy
+    machine too: a CI run's took over 10 s).
     Beating the watchdog per micro-batch, the run finishes; a micro-batch longer than the timeout is still a
     hang (stage reference: tried by hand, not here)."""
     data = write_pairs(tmp_path / "pairs.jsonl", 24)
     run = tmp_path / "run"
     proc = phalanx("train", "task=preference", f"model.pretrained={base}", f"data.train={data}",
-                   f"data.cache_dir={tmp_path / 'c'}", "model.block_size=64", "train.micro_batch_size=4",
+                   f"data.cache_dir={tmp_path / 'c'}", "model.block_size=64", "train.micro_batch_size=8",
                    "train.global_batch_size=8", "data.val_fraction=0.1", "train.max_steps=1", "train.log_every=1",
                    "train.eval_max_samples=4", "log.progress=lines", "dist.threads_per_worker=1",
-                   "dist.startup_timeout_s=10", "debug.fault=slow_reference:seconds=2.5",
+                   "dist.startup_timeout_s=20", "debug.fault=slow_reference:seconds=8",
                    "preference.reference=precomputed", "--run-dir", run, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not (run / "hang").exists()

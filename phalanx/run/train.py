@@ -90,7 +90,9 @@ def _train(cfg: Config, info: dist.DistInfo, watchdog: Watchdog) -> dict:
     # ---- data, model, optimizer, resume ------------------------------------------------------
     task = get_task(cfg.task)(cfg, info)
     task.open_data()
+    watchdog.beat(-1, Phase.START)  # each start-up stage gets dist.startup_timeout_s, not their sum
     tr = build_trainee(cfg, info, task)
+    watchdog.beat(-1, Phase.START)
     probe = Probe(watchdog, parse_fault(cfg.debug.fault), info.rank, info.attempt, memory)
     # before a checkpoint is loaded (the model holds its initial weights); a long pass beats the watchdog
     task.attach(tr, beat=lambda micro: probe(-1, Phase.REFERENCE, micro),

@@ -85,28 +85,34 @@ def phalanx(*args, timeout: float = 120, env: dict | None = None, check: bool = 
 
 
 class Zygote:
-    """One pre-imported `phalanx` process per pytest worker (tests/cli_zygote.py), restarted when the environment
-    changed (a fixture pointed it elsewhere): a command then runs without its ~8 s of imports."""
+    """Pre-imported `phalanx` processes for this pytest worker (tests/cli_zygote.py), one per environment (a
+    fixture may point the environment elsewhere; the two most recent are kept): a command then runs without
+    its ~8 s of imports."""
 
     def __init__(self):
-        self.proc, self.env = None, None
+        self.procs: dict[frozenset, subprocess.Popen] = {}
 
-    def _start(self, env: dict) -> subprocess.Popen:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))], cwd=REPO,
-                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.env = env
-        assert json.loads(self.proc.stdout.readline()) == {"ready": True}
-        return self.proc
+    def _get(self, env: dict) -> subprocess.Popen:
+        key = frozenset(env.items())
+        proc = self.procs.pop(key, None)
+        if proc is None or proc.poll() is not None:
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))], cwd=REPO,
+                                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert json.loads(proc.stdout.readline()) == {"ready": True}
+        while len(self.procs) > 1:  # the least recently used goes
+            old = self.procs.pop(next(iter(self.procs)))
+            old.kill()
+            old.wait()
+        self.procs[key] = proc
+        return proc
 
     def run(self, argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
         import select
         import signal
         import tempfile
 
-        proc = self.proc if self.proc is not None and self.proc.poll() is None and self.env == env else self._start(env)
+        # pytest names the running test in the environment; nothing reads that at import time
+        proc = self._get({k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"})
         with tempfile.TemporaryDirectory(prefix="phalanx-cli-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(REPO), "out": str(out),

@@ -100,6 +100,7 @@ def assert_account_names_the_killed_rank(stderr: str, run: Path) -> None:
     assert outcome["line"] == account[-1].removeprefix("phalanx: ")
 
 
+@pytest.mark.slow  # ~28 s: the account's order is tested in-process by tests/test_failures.py (the CI race included)
 def test_the_account_names_the_killed_rank_when_the_survivor_dies_first(tmp_path, small_text, cache_dir):
     """The CI failure, staged: the launcher is frozen (SIGSTOP) while rank 1 is killed and rank 0 dies of
     the lost peer, so the agent's next poll finds both dead and logs rank 0 first (earliest whole-second

@@ -1,13 +1,14 @@
 """The `phalanx` CLI for the tests' `phalanx(...)` helper, started from a pre-imported process.
 
 A `phalanx` command spends ~8 s of CPU importing torch and transformers before it reads its arguments; the suite
-runs ~150 of them. This process imports them once (one per pytest worker), then forks a child per request: the
-child takes the request's working folder, environment and argv, writes stdout/stderr to the request's files, and
-runs `phalanx.cli.entry()` as `python -m phalanx` does. Workers are still started by the launcher through
-torchrun, as fresh processes. Requests, one JSON line each on stdin; replies on stdout: {"pid"} once the child
-runs (its own process group, so a timeout can kill it with its workers), then {"rc"}. tests/conftest.py only
-sends a request when the caller's environment is the one this process started with (variables read at import
-time would otherwise be stale).
+runs ~150 of them. This process imports them once (one per pytest worker and environment), then forks a child per
+request: the child takes the request's working folder, environment and argv, writes stdout/stderr to the
+request's files, and runs `phalanx.cli.entry()` as `python -m phalanx` does. Workers are still started by the
+launcher through torchrun, as fresh processes. Requests: one JSON line each on stdin. Replies on stdout: {"pid"}
+once the child runs, then {"rc"}. The child has its own process group, which a timeout kills; torchrun starts
+each worker in a session of its own, so a worker blocked in a collective outlives that, as it outlived
+subprocess.run's kill. tests/conftest.py keeps one such process per environment, since variables read at import
+time would otherwise be stale.
 """
 from __future__ import annotations
 

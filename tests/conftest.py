@@ -120,7 +120,7 @@ class Zygote:
             proc.stdin.flush()
             pid = json.loads(proc.stdout.readline())["pid"]
             ready, _, _ = select.select([proc.stdout], [], [], timeout)
-            if not ready:  # as subprocess.run: kill it (and the workers it started), then raise
+            if not ready:  # as subprocess.run: kill it, then raise
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:

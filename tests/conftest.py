@@ -107,9 +107,9 @@ class Zygote:
         return proc
 
     def run(self, argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-        import select
         import signal
         import tempfile
+        import threading
 
         # pytest names the running test in the environment; nothing reads that at import time
         proc = self._get({k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"})
@@ -119,15 +119,21 @@ class Zygote:
                                          "err": str(err)}) + "\n")
             proc.stdin.flush()
             pid = json.loads(proc.stdout.readline())["pid"]
-            ready, _, _ = select.select([proc.stdout], [], [], timeout)
-            if not ready:  # as subprocess.run: kill it, then raise
+            # a thread, not select(): a quick command's {"rc"} may already sit in the text stream's buffer
+            replies: list[dict] = []
+            reader = threading.Thread(target=lambda: replies.append(json.loads(proc.stdout.readline())), daemon=True)
+            reader.start()
+            reader.join(timeout)
+            timed_out = reader.is_alive()
+            if timed_out:  # as subprocess.run: kill it, then raise
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            rc = json.loads(proc.stdout.readline())["rc"]
+                reader.join()
+            rc = replies[0]["rc"]
             stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-        if not ready:
+        if timed_out:
             raise subprocess.TimeoutExpired(["phalanx", *argv], timeout, stdout, stderr)
         return subprocess.CompletedProcess(["phalanx", *argv], rc, stdout, stderr)
 

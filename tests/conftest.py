@@ -101,8 +101,12 @@ class Zygote:
             assert json.loads(proc.stdout.readline()) == {"ready": True}
         while len(self.procs) > 1:  # the least recently used goes
             old = self.procs.pop(next(iter(self.procs)))
-            old.kill()
-            old.wait()
+            old.stdin.close()  # its loop ends and it removes its folder; its worker zygote dies with it
+            try:
+                old.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                old.kill()
+                old.wait()
         self.procs[key] = proc
         return proc
 

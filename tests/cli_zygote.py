@@ -175,7 +175,8 @@ def serve_workers(listener) -> None:
                 request, fds = receive(conn)
                 pid = os.fork()
                 if pid == 0:
-                    end(lambda: worker(request, fds, threads, [listener, conn, *conns.values()], wake_r, wake_w))
+                    inherited = [listener, conn, *conns.values()]
+                    end(lambda: worker(request, fds, threads, inherited, wake_r, wake_w))  # noqa: B023 - runs now
                 for fd in fds:
                     os.close(fd)
                 conns[pid] = conn

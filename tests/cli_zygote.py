@@ -121,7 +121,7 @@ def serve() -> None:
     if os.fork() == 0:
         end(lambda: serve_workers(listener))
     listener.close()
-    reply({"ready": True})
+    reply({"ready": True, "python_exec": python_exec})
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
@@ -219,8 +219,8 @@ def receive(conn) -> tuple[dict, list[int]]:
 
 
 def worker(request: dict, fds: list[int], threads: int, inherited: list, wake_r: int, wake_w: int) -> None:
-    """Become the worker the client was asked to be: `-u -m MODULE ARGS` runs as python runs it; anything else
-    is handed to a fresh interpreter."""
+    """Become the worker the client was asked to be: `-u -m MODULE ARGS` and `-u SCRIPT ARGS` run as python runs
+    them; anything else is handed to a fresh interpreter."""
     import runpy
     import signal
     import types
@@ -240,7 +240,9 @@ def worker(request: dict, fds: list[int], threads: int, inherited: list, wake_r:
     os.environ.clear()
     os.environ.update(request["env"])
     argv = request["argv"]
-    if argv[:2] != ["-u", "-m"]:
+    module = len(argv) >= 3 and argv[:2] == ["-u", "-m"]
+    script = len(argv) >= 2 and argv[0] == "-u" and not argv[1].startswith("-")
+    if not (module or script):
         os.execv(sys.executable, [sys.executable, *argv])
     redirect_std()
     import torch
@@ -251,8 +253,13 @@ def worker(request: dict, fds: list[int], threads: int, inherited: list, wake_r:
     client_pid = request["pid"]  # the error record names the pid torchrun started and knows
     runfolder.os = types.SimpleNamespace(**{**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")},
                                             "getpid": lambda: client_pid})
-    sys.argv = [argv[2], *argv[3:]]
-    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    if module:
+        sys.argv = [argv[2], *argv[3:]]
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    else:  # a script (tests/lora_worker.py)
+        sys.argv = argv[1:]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
+        runpy.run_path(argv[1], run_name="__main__")
 
 
 def client(path: str) -> None:

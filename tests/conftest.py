@@ -68,12 +68,14 @@ def pg():
     torch.set_num_threads(threads)
 
 
-def phalanx(*args, timeout: float = 120, env: dict | None = None, check: bool = False) -> subprocess.CompletedProcess:
+def phalanx(*args, timeout: float = 120, env: dict | None = None, check: bool = False,
+            fresh: bool = False) -> subprocess.CompletedProcess:
     """Run the real CLI in its own process (as a user would): forked from this pytest worker's pre-imported
-    zygote (tests/cli_zygote.py) when the environment is the zygote's, else `python -m phalanx`."""
+    zygote for that environment (tests/cli_zygote.py), or `python -m phalanx` when `fresh` (start-up itself
+    under test)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     argv = [str(a) for a in args]
-    if env is None:
+    if not fresh:
         proc = _ZYGOTE.run(argv, full_env, timeout)
     else:
         proc = subprocess.run([sys.executable, "-m", "phalanx", *argv], cwd=REPO, env=full_env,
@@ -84,6 +86,13 @@ def phalanx(*args, timeout: float = 120, env: dict | None = None, check: bool = 
     return proc
 
 
+def with_worker_zygote(env: dict) -> dict:
+    """`env` for a command that starts torchrun itself (a `phalanx` launcher, `python -m torch.distributed.run`):
+    its workers come from the pre-imported worker zygote (torchrun's PYTHON_EXEC; tests/cli_zygote.py) of this
+    pytest worker's usual environment (OMP_NUM_THREADS may differ: the worker sets its threads from it)."""
+    return {**env, "PYTHON_EXEC": _ZYGOTE.python_exec({**os.environ, "PYTHONUNBUFFERED": "1"})}
+
+
 class Zygote:
     """Pre-imported `phalanx` processes for this pytest worker (tests/cli_zygote.py), one per environment (a
     fixture may point the environment elsewhere; the two most recent are kept): a command then runs without
@@ -91,14 +100,21 @@ class Zygote:
 
     def __init__(self):
         self.procs: dict[frozenset, subprocess.Popen] = {}
+        self.python_execs: dict[int, str] = {}  # zygote pid -> the PYTHON_EXEC that hands workers to it
+
+    def python_exec(self, env: dict) -> str:
+        return self.python_execs[self._get(env).pid]
 
     def _get(self, env: dict) -> subprocess.Popen:
-        key = frozenset(env.items())
+        # pytest names the running test in the environment; nothing reads that at import time
+        key = frozenset((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST")
         proc = self.procs.pop(key, None)
         if proc is None or proc.poll() is not None:
             proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))], cwd=REPO,
-                                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            assert json.loads(proc.stdout.readline()) == {"ready": True}
+                                    env=dict(key), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            ready = json.loads(proc.stdout.readline())
+            assert ready["ready"] is True
+            self.python_execs[proc.pid] = ready["python_exec"]
         while len(self.procs) > 1:  # the least recently used goes
             old = self.procs.pop(next(iter(self.procs)))
             old.stdin.close()  # its loop ends and it removes its folder; its worker zygote dies with it
@@ -115,8 +131,7 @@ class Zygote:
         import tempfile
         import threading
 
-        # pytest names the running test in the environment; nothing reads that at import time
-        proc = self._get({k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"})
+        proc = self._get(env)
         with tempfile.TemporaryDirectory(prefix="phalanx-cli-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(REPO), "out": str(out),

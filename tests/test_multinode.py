@@ -23,6 +23,7 @@ from conftest import (
     phalanx,
     srun_env,
     train_losses,
+    with_worker_zygote,
 )
 
 EXAMPLES = REPO / "examples"
@@ -36,7 +37,7 @@ def _free_port() -> int:
 
 def _start(args: list[str], env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "phalanx", *map(str, args)], cwd=REPO,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            env=with_worker_zygote({**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

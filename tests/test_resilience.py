@@ -26,6 +26,7 @@ from conftest import (
     metrics,
     phalanx,
     train_losses,
+    with_worker_zygote,
 )
 
 STEPS = 12
@@ -109,7 +110,7 @@ def test_the_account_names_the_killed_rank_when_the_survivor_dies_first(tmp_path
     cmd = [sys.executable, "-m", "phalanx",
            *map(str, args(run, small_text, cache_dir, "debug.fault=kill:rank=1:step=7")), "--nproc-per-node", "2"]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env=with_worker_zygote({**os.environ, "PYTHONUNBUFFERED": "1"}))
     try:
         deadline = time.time() + 120
         while time.time() < deadline and launcher.poll() is None:
@@ -193,7 +194,7 @@ def test_signal_saves_exits_75_and_resumes_exactly(tmp_path, small_text, cache_d
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "phalanx", *map(str, args(run, small_text, cache_dir)), "--nproc-per-node", "2"]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env=with_worker_zygote({**os.environ, "PYTHONUNBUFFERED": "1"}))
     deadline = time.time() + 120
     while time.time() < deadline:
         if (run / "metrics.jsonl").exists() and any(m.get("step", 0) >= 2 for m in metrics(run)):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, SHAKESPEARE, TINY_LM, metrics, phalanx
+from conftest import REPO, SHAKESPEARE, TINY_LM, metrics, phalanx, with_worker_zygote
 
 from phalanx.core.config import ConfigError
 from phalanx.core.runfolder import RunFolder
@@ -122,7 +122,7 @@ def test_ctrl_c_stops_cleanly_and_the_same_command_resumes(tmp_path, cache_dir):
     out = tmp_path / "sw"
     proc = subprocess.Popen([sys.executable, "-m", "phalanx", "sweep", str(path), "--out", str(out)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env=with_worker_zygote({**os.environ, "PYTHONUNBUFFERED": "1"}))
     deadline = time.time() + 120
     while time.time() < deadline:
         runs = list((out / "trials").glob("*/metrics.jsonl")) if (out / "trials").exists() else []
@@ -155,7 +155,7 @@ def test_two_sweep_processes_split_one_study(tmp_path, cache_dir):
     out = tmp_path / "sw"
     cmd = [sys.executable, "-m", "phalanx", "sweep", str(path), "--out", str(out)]
     procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"}) for _ in range(2)]
+                              env=with_worker_zygote({**os.environ, "PYTHONUNBUFFERED": "1"})) for _ in range(2)]
     errs = [p.communicate(timeout=300)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errs
     rs = rows(out)

@@ -79,12 +79,13 @@ def child(request: dict, python_exec: str) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ["PYTHON_EXEC"] = python_exec  # torchrun starts the workers through the worker zygote
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
+        stdin = os.open(request.get("in") or os.devnull, os.O_RDONLY)
+        os.dup2(stdin, 0)
         for fd, path in ((1, request["out"]), (2, request["err"])):
             opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(opened, fd)
             os.close(opened)
+        sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
         sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
         sys.argv = ["phalanx", *request["argv"]]

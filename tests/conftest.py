@@ -69,16 +69,16 @@ def pg():
 
 
 def phalanx(*args, timeout: float = 120, env: dict | None = None, check: bool = False,
-            fresh: bool = False) -> subprocess.CompletedProcess:
+            fresh: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
     """Run the real CLI in its own process (as a user would): forked from this pytest worker's pre-imported
     zygote for that environment (tests/cli_zygote.py), or `python -m phalanx` when `fresh` (start-up itself
     under test)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     argv = [str(a) for a in args]
     if not fresh:
-        proc = _ZYGOTE.run(argv, full_env, timeout)
+        proc = _ZYGOTE.run(argv, full_env, timeout, input)
     else:
-        proc = subprocess.run([sys.executable, "-m", "phalanx", *argv], cwd=REPO, env=full_env,
+        proc = subprocess.run([sys.executable, "-m", "phalanx", *argv], cwd=REPO, env=full_env, input=input,
                               capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"phalanx {' '.join(map(str, args))} exited {proc.returncode}\n"
@@ -126,16 +126,18 @@ class Zygote:
         self.procs[key] = proc
         return proc
 
-    def run(self, argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], env: dict, timeout: float, input: str | None = None) -> subprocess.CompletedProcess:
         import signal
         import tempfile
         import threading
 
         proc = self._get(env)
         with tempfile.TemporaryDirectory(prefix="phalanx-cli-") as tmp:
-            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(REPO), "out": str(out),
-                                         "err": str(err)}) + "\n")
+            out, err, stdin = Path(tmp) / "stdout", Path(tmp) / "stderr", Path(tmp) / "stdin"
+            if input is not None:
+                stdin.write_text(input, encoding="utf-8")
+            proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(REPO), "out": str(out), "err": str(err),
+                                         "in": str(stdin) if input is not None else None}) + "\n")
             proc.stdin.flush()
             pid = json.loads(proc.stdout.readline())["pid"]
             # a thread, not select(): a quick command's {"rc"} may already sit in the text stream's buffer

@@ -93,13 +93,7 @@ def chat_run(tmp_path_factory, cache_dir):
 
 
 def _chat(run, *args, stdin: str | None = None):
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
-    return subprocess.run([sys.executable, "-m", "phalanx", "chat", str(run), *args], cwd=REPO, input=stdin,
-                          capture_output=True, text=True, timeout=180)
+    return phalanx("chat", run, *args, input=stdin, timeout=180)
 
 
 def test_phalanx_chat_on_its_defaults_answers_and_says_the_reply_limit_once(chat_run):

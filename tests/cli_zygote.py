@@ -151,6 +151,7 @@ def serve_workers(listener) -> None:
     die_with_parent()
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
+    os.close(null)
     os.dup2(2, 1)  # this process's stdout is the CLI zygote's reply stream
     for name in WORKER_PRELOAD:
         module = importlib.import_module(name)
@@ -176,7 +177,7 @@ def serve_workers(listener) -> None:
                 request, fds = receive(conn)
                 pid = os.fork()
                 if pid == 0:
-                    inherited = [listener, conn, *conns.values()]
+                    inherited = [listener, conn, *conns.values(), selector]
                     end(lambda: worker(request, fds, threads, inherited, wake_r, wake_w))  # noqa: B023 - runs now
                 for fd in fds:
                     os.close(fd)
@@ -230,8 +231,8 @@ def worker(request: dict, fds: list[int], threads: int, inherited: list, wake_r:
     die_with_parent()
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for sock in inherited:
-        sock.close()
+    for each in inherited:  # the sockets and the selector of the worker zygote
+        each.close()
     os.close(wake_r)
     os.close(wake_w)
     for target, fd in enumerate(fds):

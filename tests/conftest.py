@@ -69,13 +69,13 @@ def pg():
 
 
 def phalanx(*args, timeout: float = 120, env: dict | None = None, check: bool = False,
-            fresh: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
+            fresh_process: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
     """Run the real CLI in its own process (as a user would): forked from this pytest worker's pre-imported
-    zygote for that environment (tests/cli_zygote.py), or `python -m phalanx` when `fresh` (start-up itself
+    zygote for that environment (tests/cli_zygote.py), or `python -m phalanx` when `fresh_process` (start-up
     under test)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     argv = [str(a) for a in args]
-    if not fresh:
+    if not fresh_process:
         proc = _ZYGOTE.run(argv, full_env, timeout, input)
     else:
         proc = subprocess.run([sys.executable, "-m", "phalanx", *argv], cwd=REPO, env=full_env, input=input,

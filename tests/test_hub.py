@@ -34,7 +34,7 @@ def test_unreachable_hub_name_is_one_line_and_exit_2(tmp_path, key, value, name)
     if hub_reachable():
         env["HF_ENDPOINT"] = "http://127.0.0.1:9"
     t0 = time.monotonic()
-    proc = phalanx("train", f"{key}={value}", "--run-dir", tmp_path / "run", env=env, timeout=60, fresh=True)
+    proc = phalanx("train", f"{key}={value}", "--run-dir", tmp_path / "run", env=env, timeout=60, fresh_process=True)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert elapsed < 90  # not the hub client's retries (minutes); a busy 2-core machine starts it in ~55 s

@@ -10,6 +10,7 @@ the sides alternate within each repeat, medians over repeats. Memory: each rank'
 the whole run, and summary.json's steps' private peak.
 
     python bench/head_path.py [--smollm2 FOLDER_OR_GGUF] [--before d09a425] [--repeats 2] [--steps 5]
+                              [--models smollm2,llama3]
 """
 from __future__ import annotations
 
@@ -87,13 +88,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--models", default="smollm2,llama3", help="rows to run: smollm2, llama3 or both")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="head-path-"))
     work.mkdir(parents=True, exist_ok=True)
     trees = {"before": worktree(args.before, work), "after": REPO}
     smollm2 = plain_folder(args.smollm2, work)
-    bases = {"SmolLM2-135M (V 49,152)": smollm2,
-             "Llama-3-style (V 128,256)": llama3_style(smollm2, work / "llama3-style")}
+    models = args.models.split(",")
+    bases = {name: make() for key, name, make in [
+        ("smollm2", "SmolLM2-135M (V 49,152)", lambda: smollm2),
+        ("llama3", "Llama-3-style (V 128,256)", lambda: llama3_style(smollm2, work / "llama3-style"))]
+        if key in models}
     print(f"# bench/head_path.py: before = {args.before}, after = this tree; {' '.join(sys.argv[1:])}\n")
     print("| model | task | side | useful tokens/s | s/step | peak private GB/rank (sampled) | steps' peak GB |")
     print("|---|---|---|---|---|---|---|")

@@ -93,6 +93,13 @@ def with_worker_zygote(env: dict) -> dict:
     return {**env, "PYTHON_EXEC": _ZYGOTE.python_exec({**os.environ, "PYTHONUNBUFFERED": "1"})}
 
 
+# Variables that differ between commands without a zygote of their own: nothing reads them at import time (a
+# command's process still gets its whole environment). pytest names the running test; in-process tests make
+# libraries set the others in this process (each would otherwise start a new zygote: ~10 s of CPU).
+RUNTIME_ONLY = {"PYTEST_CURRENT_TEST", "TOKENIZERS_PARALLELISM", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK",
+                "KMP_INIT_AT_FORK"}
+
+
 class Zygote:
     """Pre-imported `phalanx` processes for this pytest worker (tests/cli_zygote.py), one per environment (a
     fixture may point the environment elsewhere; the two most recent are kept): a command then runs without
@@ -106,8 +113,7 @@ class Zygote:
         return self.python_execs[self._get(env).pid]
 
     def _get(self, env: dict) -> subprocess.Popen:
-        # pytest names the running test in the environment; nothing reads that at import time
-        key = frozenset((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST")
+        key = frozenset((k, v) for k, v in env.items() if k not in RUNTIME_ONLY)
         proc = self.procs.pop(key, None)
         if proc is None or proc.poll() is not None:
             proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))], cwd=REPO,

@@ -11,6 +11,7 @@ the whole run, and summary.json's steps' private peak.
 
     python bench/head_path.py [--smollm2 FOLDER_OR_GGUF] [--before d09a425] [--repeats 2] [--steps 5]
                               [--models smollm2,llama3]
+    python bench/head_path.py --kernel [--repeats 2]     # the head alone: chunked vs unchunked
 """
 from __future__ import annotations
 
@@ -80,6 +81,44 @@ def one(tree: Path, base: Path, task: str, work: Path, steps: int, tag: str) -> 
             "steps_gb": max(summary.get("private_peak_mb/steps", [0])) / 1024}
 
 
+def kernel(repeats: int) -> None:
+    """The head alone, one process, 1 thread: phalanx's chunked head (TargetLogProbSum: the loss of lm and chat)
+    against the unchunked cross-entropy, forward and backward, for 1,024 targets of width 576."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from phalanx.model.head import TargetLogProbSum
+
+    torch.set_num_threads(1)
+    n, width = 1024, 576
+    print("| vocabulary | unchunked cross-entropy s | phalanx's chunked head s | chunked / unchunked |\n"
+          "|---|---|---|---|")
+
+    def unchunked(h, w, t):
+        return F.cross_entropy(F.linear(h, w).float(), t, reduction="sum")
+
+    def chunked(h, w, t):
+        return -TargetLogProbSum.apply(h, w, None, t, None, False, True)[0]
+
+    for vocab in (49_152, 128_256):
+        torch.manual_seed(0)
+        h = torch.randn(n, width, requires_grad=True)
+        w = (torch.randn(vocab, width) * 0.02).requires_grad_()
+        t = torch.randint(0, vocab, (n,))
+        sides = {"unchunked": unchunked, "chunked": chunked}
+        took = {side: [] for side in sides}
+        for _ in range(repeats):
+            for side, loss in sides.items():
+                h.grad = w.grad = None
+                start = time.perf_counter()
+                loss(h, w, t).backward()
+                took[side].append(time.perf_counter() - start)
+        a, b = statistics.median(took["unchunked"]), statistics.median(took["chunked"])
+        print(f"| {vocab:,} | {a:.2f} | {b:.2f} | {b / a:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smollm2", type=Path, default=SMOLLM2, help="SmolLM2-135M-Instruct: a folder, or its GGUF "
@@ -89,7 +128,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--models", default="smollm2,llama3", help="rows to run: smollm2, llama3 or both")
+    ap.add_argument("--kernel", action="store_true", help="only the head alone in one process (seconds)")
     args = ap.parse_args()
+    if args.kernel:
+        return kernel(args.repeats)
     work = args.work or Path(tempfile.mkdtemp(prefix="head-path-"))
     work.mkdir(parents=True, exist_ok=True)
     trees = {"before": worktree(args.before, work), "after": REPO}

@@ -97,7 +97,10 @@ def with_worker_zygote(env: dict) -> dict:
 # command's process still gets its whole environment). pytest names the running test; in-process tests make
 # libraries set the others in this process (each would otherwise start a new zygote: ~10 s of CPU).
 RUNTIME_ONLY = {"PYTEST_CURRENT_TEST", "TOKENIZERS_PARALLELISM", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK",
-                "KMP_INIT_AT_FORK"}
+                "KMP_INIT_AT_FORK",
+                # the S3 server's (tests/s3server.py): botocore reads them when a client is made
+                "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                "AWS_EC2_METADATA_DISABLED"}
 
 
 class Zygote:

@@ -150,12 +150,15 @@ def test_slurm_env_maps_ranks():
 
 
 def test_simulated_srun_matches_torchrun(tmp_path, cache_dir, ddp2_reference):
-    """Two `python -m phalanx train` processes with srun's variables are the two workers (no launcher)."""
+    """Two `python -m phalanx train` processes with srun's variables are the two workers (no launcher); their
+    interpreter is the worker zygote's client (tests/cli_zygote.py), which runs `-u -m phalanx` as python does
+    (test_failures.py starts such workers as fresh interpreters)."""
     run, port = tmp_path / "srun", _free_port()
     procs = []
+    python = with_worker_zygote({})["PYTHON_EXEC"]
     for rank in (0, 1):
         env = srun_env(rank, port, job="4242")
-        procs.append(subprocess.Popen([sys.executable, "-m", "phalanx", *lm_args(run, cache_dir, *REFERENCE)],
+        procs.append(subprocess.Popen([python, "-u", "-m", "phalanx", *lm_args(run, cache_dir, *REFERENCE)],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     outputs = _finish(procs)

@@ -15,6 +15,8 @@ own modules imported too); that process forks the worker, which runs the module 
 stays the process torchrun watches: it passes on the signals torchrun or a test sends it, and ends as the worker
 ended (its exit code, or killed by the same signal); when the client dies first (SIGKILL), the worker is killed.
 The worker's error record names the client's pid, the one torchrun knows, as a worker's own pid would be.
+A command's own `sys.executable -m phalanx ...` children (a sweep's trial launchers, bench's runs) go through the
+same client, so they too start pre-imported; the client gives the worker its CPU affinity (a sweep slot's cores).
 Commands run with an `env` of their own (tests/conftest.py) start everything fresh, as users do.
 
 tests/conftest.py keeps one such process per environment, since variables read at import time would otherwise
@@ -89,6 +91,9 @@ def child(request: dict, python_exec: str) -> None:
         sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
         sys.argv = ["phalanx", *request["argv"]]
+        # the interpreter of the processes the command starts as `sys.executable -m phalanx ...` (a sweep's
+        # trials, bench's runs): they come from the worker zygote too
+        sys.executable = python_exec
         from phalanx.cli import entry
 
         entry()
@@ -221,8 +226,8 @@ def receive(conn) -> tuple[dict, list[int]]:
 
 
 def worker(request: dict, fds: list[int], threads: int, inherited: list, wake_r: int, wake_w: int) -> None:
-    """Become the worker the client was asked to be: `-u -m MODULE ARGS` and `-u SCRIPT ARGS` run as python runs
-    them; anything else is handed to a fresh interpreter."""
+    """Become the process the client was asked to be: `[-u] -m MODULE ARGS` or `-u SCRIPT ARGS`, run as python
+    runs them (the client starts anything else as a fresh interpreter)."""
     import runpy
     import signal
     import types
@@ -241,11 +246,8 @@ def worker(request: dict, fds: list[int], threads: int, inherited: list, wake_r:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    argv = request["argv"]
-    module = len(argv) >= 3 and argv[:2] == ["-u", "-m"]
-    script = len(argv) >= 2 and argv[0] == "-u" and not argv[1].startswith("-")
-    if not (module or script):
-        os.execv(sys.executable, [sys.executable, *argv])
+    os.sched_setaffinity(0, request["cpus"])  # what the client's starter (a sweep's slot) gave it
+    kind, argv = routable(request["argv"])
     redirect_std()
     import torch
 
@@ -255,13 +257,24 @@ def worker(request: dict, fds: list[int], threads: int, inherited: list, wake_r:
     client_pid = request["pid"]  # the error record names the pid torchrun started and knows
     runfolder.os = types.SimpleNamespace(**{**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")},
                                             "getpid": lambda: client_pid})
-    if module:
-        sys.argv = [argv[2], *argv[3:]]
-        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    if kind == "module":  # a worker, or a launcher (a sweep's trial: `python -m phalanx train ...`)
+        sys.argv = argv
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
     else:  # a script (tests/lora_worker.py)
-        sys.argv = argv[1:]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
-        runpy.run_path(argv[1], run_name="__main__")
+        sys.argv = argv
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def routable(argv: list[str]) -> tuple[str | None, list[str]]:
+    """("module", [MODULE, *ARGS]) for `[-u] -m MODULE ARGS`, ("script", [SCRIPT, *ARGS]) for `-u SCRIPT ARGS`,
+    else (None, argv): a command the worker zygote does not run (the client execs a fresh interpreter)."""
+    rest = argv[1:] if argv[:1] == ["-u"] else argv
+    if len(rest) >= 2 and rest[0] == "-m":
+        return "module", rest[1:]
+    if argv[:1] == ["-u"] and rest and not rest[0].startswith("-"):
+        return "script", rest
+    return None, argv
 
 
 def client(path: str) -> None:
@@ -270,10 +283,12 @@ def client(path: str) -> None:
     import socket
     import struct
 
+    if routable(sys.argv[1:])[0] is None:  # e.g. multiprocessing's spawn: its inherited fds stay as they are
+        os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
-    body = json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(),
-                       "pid": os.getpid()}).encode()
+    body = json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid(),
+                       "cpus": sorted(os.sched_getaffinity(0))}).encode()
     socket.send_fds(sock, [struct.pack("!Q", len(body))], [0, 1, 2])
     sock.sendall(body)
     replies = sock.makefile("rb")

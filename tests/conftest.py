@@ -93,6 +93,13 @@ def with_worker_zygote(env: dict) -> dict:
     return {**env, "PYTHON_EXEC": _ZYGOTE.python_exec({**os.environ, "PYTHONUNBUFFERED": "1"})}
 
 
+def zygote_python() -> str:
+    """The worker zygote's client as an interpreter: `[zygote_python(), "-m", MODULE, ...]` runs the module as
+    `python -m` does, pre-imported (a `phalanx` launcher, an srun-style worker, `torch.distributed.run`); the
+    variables it runs with are its own `env`."""
+    return with_worker_zygote({})["PYTHON_EXEC"]
+
+
 # Variables that differ between commands without a zygote of their own: nothing reads them at import time (a
 # command's process still gets its whole environment). pytest names the running test; in-process tests make
 # libraries set the others in this process (each would otherwise start a new zygote: ~10 s of CPU).

@@ -11,13 +11,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 from functools import partial
 
 import pytest
 import torch
 from big_models_worker import BIG, BIG_VOCAB, TINY, TINY_VOCAB
-from conftest import REPO, final_params, lm_args, metrics, phalanx, train_losses, with_worker_zygote
+from conftest import REPO, final_params, lm_args, metrics, phalanx, train_losses, with_worker_zygote, zygote_python
 
 from phalanx.core.config import ConfigError, ModelConfig, load_config
 from phalanx.model.build import build_causal_lm, causal_lm, classifier
@@ -30,7 +29,7 @@ MB = 2**20
 
 
 def torchrun(mode: str, out, *args, nproc: int = 2, timeout: float = 240) -> None:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    proc = subprocess.run([zygote_python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                            str(WORKER), mode, str(out), *map(str, args)], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=with_worker_zygote({**os.environ, "OMP_NUM_THREADS": "1"}))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

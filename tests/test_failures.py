@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch.distributed as tdist
-from conftest import REPO, lm_args, srun_env
+from conftest import REPO, lm_args, srun_env, zygote_python
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from phalanx.core.runfolder import RunFolder, write_json
@@ -260,7 +260,7 @@ def test_a_worker_under_an_outside_launcher_records_its_error_through_the_same_e
         env = srun_env(rank, port, job="4243")
         args = lm_args(run, cache_dir, "train.max_steps=6", "dist.threads_per_worker=1",
                        "debug.fault=raise:rank=1:step=3")
-        procs.append(subprocess.Popen([sys.executable, "-m", "phalanx", *args], cwd=REPO, env=env,
+        procs.append(subprocess.Popen([zygote_python(), "-m", "phalanx", *args], cwd=REPO, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [1, 1], [o[1][-2000:] for o in outs]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, phalanx, train_losses, with_worker_zygote
+from conftest import REPO, phalanx, train_losses, with_worker_zygote, zygote_python
 from test_chat import LORA, base, chat_args, talk  # noqa: F401 - fixtures
 
 from phalanx.core.errors import ConfigError
@@ -23,7 +23,7 @@ FP32 = ["train.precision=fp32", "train.keep_checkpoints=4"]
 
 def torchrun(out: Path, base_folder: Path, nproc: int, strategy: str = "fsdp") -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    proc = subprocess.run([zygote_python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                            str(WORKER), str(out), str(base_folder), strategy], cwd=REPO, capture_output=True,
                           text=True, timeout=240, env=with_worker_zygote({**os.environ, "OMP_NUM_THREADS": "1"}))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from conftest import (
     srun_env,
     train_losses,
     with_worker_zygote,
+    zygote_python,
 )
 
 EXAMPLES = REPO / "examples"
@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 
 def _start(args: list[str], env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "phalanx", *map(str, args)], cwd=REPO,
+    return subprocess.Popen([zygote_python(), "-m", "phalanx", *map(str, args)], cwd=REPO,
                             env=with_worker_zygote({**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -152,10 +152,10 @@ def test_slurm_env_maps_ranks():
 def test_simulated_srun_matches_torchrun(tmp_path, cache_dir, ddp2_reference):
     """Two `python -m phalanx train` processes with srun's variables are the two workers (no launcher); their
     interpreter is the worker zygote's client (tests/cli_zygote.py), which runs `-u -m phalanx` as python does
-    (test_failures.py starts such workers as fresh interpreters)."""
+    (test_remote.py's commands start launcher and workers as fresh interpreters)."""
     run, port = tmp_path / "srun", _free_port()
     procs = []
-    python = with_worker_zygote({})["PYTHON_EXEC"]
+    python = zygote_python()
     for rank in (0, 1):
         env = srun_env(rank, port, job="4242")
         procs.append(subprocess.Popen([python, "-u", "-m", "phalanx", *lm_args(run, cache_dir, *REFERENCE)],

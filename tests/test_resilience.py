@@ -27,6 +27,7 @@ from conftest import (
     phalanx,
     train_losses,
     with_worker_zygote,
+    zygote_python,
 )
 
 STEPS = 12
@@ -192,7 +193,7 @@ def test_kill_during_checkpoint_write_falls_back_to_previous(tmp_path, small_tex
                          ids=["SIGTERM", "SIGUSR1"])  # ~16 s each
 def test_signal_saves_exits_75_and_resumes_exactly(tmp_path, small_text, cache_dir, baseline, sig):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "phalanx", *map(str, args(run, small_text, cache_dir)), "--nproc-per-node", "2"]
+    cmd = [zygote_python(), "-m", "phalanx", *map(str, args(run, small_text, cache_dir)), "--nproc-per-node", "2"]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=with_worker_zygote({**os.environ, "PYTHONUNBUFFERED": "1"}))
     deadline = time.time() + 120

@@ -13,6 +13,8 @@ defaults: the same with gradient checkpointing and bf16 as GRPOConfig defaults t
     python bench/grpo_vs_trl.py --out grpo-vs-trl.json   # 4 steps of 4 prompts x 8, 32 tokens (TRL's defaults: 2
                                                          # steps: bf16 is emulated on this CPU); ~1.5 hours
     python bench/grpo_vs_trl.py --smoke                  # 2 steps of 2 prompts x 4, 16 tokens: about 12 minutes
+    --steps N / --defaults-steps N change the number of steps (the first still a warm-up; --defaults-steps 1 or
+    0 leaves TRL's defaults out: at the full shape a step of theirs takes ~20 minutes here)
 
 The first step of each side is a warm-up (left out of the medians) except under --smoke.
 """
@@ -139,24 +141,29 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default="")
     p.add_argument("--work", default="")
+    p.add_argument("--steps", type=int, help="phalanx's and TRL's same-math steps (default 4; --smoke 2)")
+    p.add_argument("--defaults-steps", type=int, help="TRL's defaults' steps (default 2; 0 leaves them out)")
     a = p.parse_args()
-    a.steps, a.defaults_steps, a.prompts, a.g, a.max_new, a.gen_prompts = \
+    steps, defaults_steps, a.prompts, a.g, a.max_new, a.gen_prompts = \
         (2, 2, 2, 4, 16, 3) if a.smoke else (4, 2, 4, 8, 32, 5)
+    a.steps = a.steps or steps
+    a.defaults_steps = defaults_steps if a.defaults_steps is None else a.defaults_steps
     work = Path(a.work or tempfile.mkdtemp(prefix="grpo-vs-trl-"))
     work.mkdir(parents=True, exist_ok=True)
     base, data = base_folder(work), write_prompts(work, a.prompts * a.steps)
     skip = 0 if a.smoke else 1  # the first step warms up
     rows = [summary("phalanx", phalanx_side(a, work, base, data), skip),
-            summary("trl-same-math", trl_side(a, work, base, data, False), skip),
-            summary("trl-defaults", trl_side(a, work, base, data, True), skip)]
+            summary("trl-same-math", trl_side(a, work, base, data, False), skip)]
+    if a.defaults_steps > skip:  # (--defaults-steps 1 leaves it out: its one step would be the warm-up)
+        rows.append(summary("trl-defaults", trl_side(a, work, base, data, True), skip))
     gen = generation_alone(a, base)
     print(f"\n{a.steps} steps x {a.prompts} prompts x G={a.g}, {a.max_new} tokens, 2 processes, work {work}")
     print(f"{'side':16} {'s/step':>8} {'rollout':>8} {'train':>8} {'compl tok/s':>12}  reward per step")
     for r in rows:
         print(f"{r['side']:16} {r['step_s']:8.2f} {r['rollout_s']:8.2f} {r['training_s']:8.2f} "
               f"{r['completion_tokens_per_s']:12.1f}  {[round(x, 3) for x in r['reward']]}")
-    for k in ("trl-same-math", "trl-defaults"):
-        other = next(r for r in rows if r["side"] == k)
+    for other in rows[1:]:
+        k = other["side"]
         print(f"phalanx vs {k}: {other['step_s'] / rows[0]['step_s']:.2f}x per step")
     print(f"generation alone (one prompt's {a.g} rows, 1 thread): phalanx {gen['phalanx']['tokens_per_s']:.1f} tok/s, "
           f"model.generate {gen['generate']['tokens_per_s']:.1f} tok/s")

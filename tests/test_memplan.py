@@ -216,3 +216,19 @@ def test_lora_plans_the_base_in_its_stored_dtype_and_suggests_fsdp(tmp_path):
     room = (ddp.peak + fsdp.peak) / 2  # fits sharded, not whole
     assert fsdp.peak < room < ddp.peak
     assert memplan.suggest(lora, s, 4, "cpu", room) == "train.strategy=fsdp"
+
+
+def test_a_grpo_sample_is_its_g_completions():
+    """Task grpo's micro-batch sample is a prompt, trained as grpo.num_generations rows of the block (up to
+    model.block_size each): the plan counts 8 prompts' activations and head as 8 x 8 rows of task chat. Before,
+    it counted one row per prompt: GSM8K's 8 x 512-token rows planned 1.8 GB of activations and took >13 GB."""
+    common = ("model.arch=llama", "model.n_layer=2", "model.n_embd=256", "model.n_head=4", "model.lora.r=8",
+              "model.block_size=128", "train.global_batch_size=64")
+
+    def plan(*overrides):
+        cfg = cfg_of(*common, *overrides)
+        return memplan.estimate(cfg, memplan.shapes(cfg), 1, "cpu", 100 * GB)
+    grpo = plan("task=grpo", "train.micro_batch_size=8", "grpo.num_generations=8")
+    rows = plan("task=chat", "train.micro_batch_size=64")
+    assert grpo.activations == pytest.approx(rows.activations) and grpo.logits == pytest.approx(rows.logits)
+    assert grpo.activations > 7 * plan("task=chat", "train.micro_batch_size=8").activations  # not a row per prompt

@@ -30,6 +30,8 @@ class Task(Protocol):
     @staticmethod
     def sequence_length(cfg: Config) -> int: ...
     @staticmethod
+    def rows_per_sample(cfg: Config) -> int: ...  # rows of sequence_length one sample of a micro-batch trains
+    @staticmethod
     def is_prepared(cfg: Config) -> bool: ...
 
     # ---- in every worker
@@ -73,6 +75,10 @@ class TaskBase:
     MISMATCHED = "error"  # a pretrained tensor of another shape: an error, or "init" (initialised anew)
     EVAL_OUTPUTS = False  # eval_sums returns sums only (see Task.EVAL_OUTPUTS)
     repeats = 1  # each global batch is one step's
+
+    @staticmethod
+    def rows_per_sample(cfg: Config) -> int:
+        return 1
 
     def __init__(self, cfg: Config, info):
         self.cfg, self.info = cfg, info

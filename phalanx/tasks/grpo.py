@@ -53,6 +53,10 @@ LOSS = ("loss_tokens", "clip_low", "clip_high", "kl_sum")
 class GRPOTask(ChatTask):
     name = "grpo"
 
+    @staticmethod
+    def rows_per_sample(cfg: Config) -> int:
+        return cfg.grpo.num_generations  # a micro-batch's sample is a prompt: it trains on its G completions
+
     def __init__(self, cfg: Config, info):
         super().__init__(cfg, info)
         self.rewards = load_rewards(cfg)

@@ -216,8 +216,8 @@ def estimate(cfg: Config, s: Shapes, world: int, device: str, available: float) 
     t = cfg.train
     shard = world if t.strategy == "fsdp" and world > 1 else 1
     half = t.precision in ("bf16", "fp16") or (t.precision == "auto" and device == "cuda")
-    seq = _sequence(cfg)
-    tokens = t.micro_batch_size * _rows_per_sample(cfg) * seq
+    rows, seq = _rows(cfg)
+    tokens = t.micro_batch_size * rows * seq
     block, adapters = block_activation_bytes(s, seq, cfg.model.lora)
     # LoRA's adapter path keeps small tensors (1-byte dropout masks, rank-r outputs): from the heaps
     per_token = (block * activation_factor(cfg, s, tokens, device, half) + adapters * HEAP_FACTOR) * \
@@ -330,16 +330,12 @@ def _compute_dtype(requested: str, device: str) -> torch.dtype | None:
         return None
 
 
-def _sequence(cfg: Config) -> int:
+def _rows(cfg: Config) -> tuple[int, int]:
+    """Rows one sample of a micro-batch trains on (task grpo: its G completions), and their length."""
     from phalanx.tasks import get_task
 
-    return get_task(cfg.task).sequence_length(cfg)
-
-
-def _rows_per_sample(cfg: Config) -> int:
-    from phalanx.tasks import get_task
-
-    return get_task(cfg.task).rows_per_sample(cfg)
+    task = get_task(cfg.task)
+    return task.rows_per_sample(cfg), task.sequence_length(cfg)
 
 
 def available(device: str, local_world: int, gpu_bytes: float | None = None) -> float:
